@@ -1,0 +1,909 @@
+"""
+The tasks of the AT-GRPO paper, each a two-agent workflow, plus the sandbox that runs model-written code.
+
+    env = make_env("plan", seed=3)            # or make_env("code", row=...), see TASKS / load_split
+    msgs = env.observe("tool")                # chat messages for that role (render with the chat template)
+    local = env.step("tool", text)            # parse + apply this role's answer; returns its local reward
+    team = env.team_reward(); env.end_turn(); env.done, env.success
+    branch = env.clone()                      # independent copy for tree sampling
+
+Tasks and roles (SPEC §4):
+    plan, sokoban, sudoku   tool -> plan       sequential: the tool agent writes Python whose printed answer is
+                                               simulated on a copy; the plan agent gives the final answer
+    code                    coder || tester    parallel: program vs generated unit tests
+    math                    tool || reasoner   parallel: Python answer vs \\boxed{} answer
+`workflow="single"` keeps only the last role of each (plan agent, coder, reasoner): the paper's single-agent baseline.
+`compact=True` (the embedded CPU default) keeps the same state, rules and rewards but renders terse prompts and
+lets the tool agent answer with the action list itself instead of a program, so that a tiny model trained from
+scratch can learn it in minutes.
+
+This file imports neither torch nor vllm. Model output is untrusted: parsers never raise; an unparseable answer
+gets the format penalty; model code runs only in `run_code` (child process, own group and temp dir, rlimits,
+an audit hook that forbids writing outside its dir, spawning processes, signals and sockets).
+"""
+import copy
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+# -----------------------------------------------------------------------------
+# sandbox
+
+
+@dataclass
+class RunResult:
+    ok: bool          # exited with status 0 within the time limit
+    stdout: str
+    stderr: str
+    returncode: int
+    timed_out: bool
+    seconds: float
+
+
+# Runs before the model's program, in the child. Python-level guard: the OS limits below cover time, memory,
+# output size and the process group; this covers what rlimits cannot (root ignores RLIMIT_NPROC).
+_GUARD = r'''
+import os, sys
+_here = os.path.realpath(os.getcwd())
+def _inside(p):
+    try:
+        return os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else _here).startswith(_here)
+    except Exception:
+        return False
+def _hook(ev, args):
+    if ev == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1] or "r", args[2] or 0
+        if (any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and not _inside(args[0]):
+            raise PermissionError("sandbox: writing outside the working directory is not allowed")
+    elif ev in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "subprocess.Popen",
+                "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "socket.connect", "socket.bind", "os.setsid"):
+        raise PermissionError("sandbox: " + ev + " is not allowed")
+    elif ev in ("os.kill", "os.killpg") and args[0] != os.getpid():
+        raise PermissionError("sandbox: signalling other processes is not allowed")
+    elif ev in ("os.remove", "os.unlink", "os.rmdir", "os.rename", "shutil.rmtree", "os.chmod", "os.chown",
+                "os.truncate", "os.mkdir", "os.symlink", "os.link") and not _inside(args[0]):
+        raise PermissionError("sandbox: changing files outside the working directory is not allowed")
+sys.addaudithook(_hook)
+sys.argv = ["prog.py"]
+import runpy
+runpy.run_path("prog.py", run_name="__main__")
+'''
+
+
+def _limits(mem_mb, cpu_s, out_bytes):
+    def apply():
+        os.setsid()  # own process group: killed whole on timeout
+        resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (out_bytes, out_bytes))  # stdout/stderr are files: caps output
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if os.getuid() != 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
+    return apply
+
+
+def _kill_marked(marker):
+    """Kill every process carrying this run's marker in its environment (catches anything that left the group)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20):
+    """Run untrusted Python `code` with `stdin`; never raises on anything the program does."""
+    work = tempfile.mkdtemp(prefix="sbx_")
+    marker = "SANDBOX_RUN=" + uuid.uuid4().hex
+    t0 = time.time()
+    try:
+        with open(os.path.join(work, "prog.py"), "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        with open(os.path.join(work, "_guard.py"), "w") as f:
+            f.write(_GUARD)
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
+               "SANDBOX_RUN": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+        out_f, err_f = open(os.path.join(work, ".out"), "wb"), open(os.path.join(work, ".err"), "wb")
+        timed_out = False
+        try:
+            p = subprocess.Popen([sys.executable, "-I", "-S", "_guard.py"], cwd=work, env=env, stdin=subprocess.PIPE,
+                                 stdout=out_f, stderr=err_f, preexec_fn=_limits(mem_mb, int(math.ceil(timeout)) + 1, out_bytes))
+            try:
+                p.communicate(stdin.encode("utf-8", errors="replace"), timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the group, also when the program itself ended (stray children)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+        finally:
+            out_f.close()
+            err_f.close()
+        _kill_marked(marker.split("=", 1)[1])
+
+        def read(name):
+            with open(os.path.join(work, name), "rb") as f:
+                return f.read(out_bytes).decode("utf-8", errors="replace")
+        rc = p.returncode
+        return RunResult(ok=(rc == 0 and not timed_out), stdout=read(".out"), stderr=read(".err")[-4000:], returncode=rc,
+                         timed_out=timed_out, seconds=time.time() - t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_POOL = ThreadPoolExecutor(max_workers=16)
+
+
+def run_many(jobs):
+    """Run [(code, stdin, timeout), ...] concurrently (threads only wait on child processes)."""
+    return list(_POOL.map(lambda j: run_code(*j), jobs))
+
+
+# -----------------------------------------------------------------------------
+# parsing helpers (untrusted text in, never raise)
+
+MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+_WORDS = {"UP": "U", "DOWN": "D", "LEFT": "L", "RIGHT": "R", "U": "U", "D": "D", "L": "L", "R": "R"}
+MAX_ACTIONS = 64
+
+
+def extract_code(text):
+    """The last ```python block (or last ``` block); None if there is none."""
+    blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", text or "", re.S)
+    return blocks[-1] if blocks else None
+
+
+def parse_actions(text, compact=False):
+    """Action list from an answer: JSON list after the last '####' (or the last JSON-ish list anywhere), or, in
+    compact mode, the bare letters 'URDL...'. None when nothing parses."""
+    text = (text or "")[-4000:]
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    lists = re.findall(r"\[[^\[\]]*\]", text)
+    if lists:
+        items = re.findall(r"[A-Za-z]+", lists[-1])
+        acts = [_WORDS.get(w.upper()) for w in items]
+        if acts and all(acts) and len(acts) <= MAX_ACTIONS:
+            return acts
+        return None
+    s = text.strip()
+    if compact and 0 < len(s) <= MAX_ACTIONS and all(c in MOVES for c in s):
+        return list(s)
+    return None
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} (nested braces handled), else None."""
+    text = text or ""
+    i = text.rfind("\\boxed")
+    while i >= 0:
+        j = i + len("\\boxed")
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            depth, k = 0, j
+            while k < len(text):
+                depth += {"{": 1, "}": -1}.get(text[k], 0)
+                if depth == 0:
+                    return text[j + 1:k].strip()
+                k += 1
+        i = text.rfind("\\boxed", 0, i)
+    return None
+
+
+_GOLD_CACHE = {}
+
+
+def math_equal(gold, pred):
+    """Equivalence with math-verify (the checker the paper's code uses); False on anything unparseable."""
+    if pred is None or not str(pred).strip() or len(str(pred)) > 1000:
+        return False
+    try:
+        from math_verify import parse, verify
+        if gold not in _GOLD_CACHE:
+            _GOLD_CACHE[gold] = parse("$" + gold + "$", parsing_timeout=None)
+        p = parse("$" + str(pred) + "$", parsing_timeout=None)
+        return bool(_GOLD_CACHE[gold]) and bool(p) and verify(_GOLD_CACHE[gold], p, timeout_seconds=None)
+    except Exception:
+        return False
+
+
+# -----------------------------------------------------------------------------
+# the common two-agent game: tool agent (program -> simulated on a copy) then plan agent (executed)
+
+TOOL_SYS = ("You are the tool agent of a two-agent team. Write a Python program that solves the puzzle below "
+            "algorithmically (e.g. BFS or A*; do not hard-code the answer) and prints the answer {fmt}. "
+            "Put the program in one ```python block.")
+PLAN_SYS = ("You are the plan agent of a two-agent team. A tool agent wrote a program for the puzzle below; its "
+            "output was simulated on a copy of the puzzle. Check it and give the final answer: after a line '####', "
+            "write {fmt}.")
+
+
+class GridGame:
+    """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and rewards."""
+    roles_mas, workflow = ("tool", "plan"), "sequential"
+    answer_fmt = ""
+    fail_reward = -2.0
+
+    def __init__(self, workflow="mas", compact=False):
+        self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
+        self.compact, self.turn, self.done, self.success = compact, 0, False, False
+        self.tool_text, self.tool_out, self.tool_sim = None, None, None  # what the plan agent sees this turn
+        self.last_plan = None
+
+    def clone(self):
+        return copy.deepcopy(self)
+
+    # subclasses: board() text, parse(text) -> action or None, simulate(action) -> (reward, solved, note) on self
+    def tool_answer(self, text):
+        """The tool agent's answer: the printed output of its program (compact mode: the text itself)."""
+        if self.compact:
+            return text, self.parse(text)
+        code = extract_code(text)
+        if code is None:
+            return "(no ```python block found)", None
+        r = run_code(code, timeout=20.0)
+        out = (r.stdout.strip() or r.stderr.strip()[-300:] or "(no output)")[-1000:]
+        return out, self.parse(r.stdout if r.ok else "")
+
+    def step(self, role, text):
+        if role == "tool":
+            out, action = self.tool_answer(text)
+            self.tool_text, self.tool_out = text, out
+            if action is None:
+                self.tool_sim = "unparseable"
+                return self.fail_reward
+            sim = self.clone()
+            reward, solved, note = sim.apply(action)
+            self.tool_sim = ("solved" if solved else "not solved") + (f" ({note})" if note and not self.compact else "")
+            return reward
+        action = self.parse(text)
+        self.last_plan = text
+        if action is None:
+            return self.fail_reward
+        reward, solved, _ = self.apply(action)
+        self.success = self.success or solved
+        self.done = self.done or solved
+        return reward
+
+    def team_reward(self):
+        return 1.0 if self.success else 0.0
+
+    def end_turn(self):
+        self.turn += 1
+
+    def observe(self, role):
+        if self.compact:
+            c = self.board()
+            if role == "plan" and "tool" in self.roles:
+                c += f"\n{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}"
+            return [{"role": "user", "content": c}]
+        fmt = self.answer_fmt
+        task = f"{self.rules()}\n\nCurrent state (turn {self.turn + 1}):\n{self.board()}"
+        if role == "tool":
+            return [{"role": "system", "content": TOOL_SYS.format(fmt=fmt)}, {"role": "user", "content": task}]
+        if "tool" not in self.roles:
+            sys_msg = f"Solve the puzzle below. After a line '####', write {fmt}."
+            return [{"role": "system", "content": sys_msg}, {"role": "user", "content": task}]
+        seen = (f"\n\nTool agent's program:\n```python\n{(extract_code(self.tool_text or '') or '')[:3000]}\n```\n"
+                f"Its output: {self.tool_out}\nSimulated result: {self.tool_sim}")
+        return [{"role": "system", "content": PLAN_SYS.format(fmt=fmt)}, {"role": "user", "content": task + seen}]
+
+
+def bfs(start, neighbours, is_goal, limit=200000):
+    """Shortest action list from `start` to a goal state; neighbours(s) -> [(action, s2)]. None if unreachable."""
+    prev, q = {start: None}, deque([start])
+    while q and len(prev) < limit:
+        s = q.popleft()
+        if is_goal(s):
+            path = []
+            while prev[s] is not None:
+                s, a = prev[s]
+                path.append(a)
+            return path[::-1]
+        for a, s2 in neighbours(s):
+            if s2 not in prev:
+                prev[s2] = (s, a)
+                q.append(s2)
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Plan-Path
+
+
+class PlanPath(GridGame):
+    answer_fmt = 'the moves as a JSON list, e.g. ["U", "R", "R"] (U up, D down, L left, R right)'
+
+    def __init__(self, seed, size=10, p_block=0.22, workflow="mas", compact=False):
+        super().__init__(workflow, compact)
+        rng = random.Random(f"plan-{size}-{seed}")
+        while True:  # resample until the goal is reachable from the start
+            grid = [["#" if rng.random() < p_block else "." for _ in range(size)] for _ in range(size)]
+            free = [(r, c) for r in range(size) for c in range(size) if grid[r][c] == "."]
+            if len(free) < 2:
+                continue
+            start, goal = rng.sample(free, 2)
+            self.grid, self.size, self.pos, self.goal = grid, size, start, goal
+            path = bfs(start, self.neighbours, lambda s: s == goal)
+            if path is not None:
+                break
+        self.start, self.shortest, self.moves = start, len(path), 0
+
+    def neighbours(self, s):
+        out = []
+        for a, (dr, dc) in MOVES.items():
+            r, c = s[0] + dr, s[1] + dc
+            if 0 <= r < self.size and 0 <= c < self.size and self.grid[r][c] == ".":
+                out.append((a, (r, c)))
+        return out
+
+    def rules(self):
+        return (f"Move from the player @ to the goal G on this {self.size}x{self.size} grid ('#' blocked, '.' free; "
+                f"rows top to bottom, U decreases the row). You are at row {self.pos[0]}, col {self.pos[1]}; "
+                f"the goal is at row {self.goal[0]}, col {self.goal[1]}.")
+
+    def board(self):
+        rows = [row[:] for row in self.grid]
+        rows[self.goal[0]][self.goal[1]] = "G"
+        rows[self.pos[0]][self.pos[1]] = "@"
+        return "\n".join("".join(r) for r in rows)
+
+    def parse(self, text):
+        return parse_actions(text, self.compact)
+
+    def apply(self, actions):
+        """Execute moves; per-move reward (SPEC §4): -0.01 valid / -0.10 invalid, shaping 0.99*phi' - phi with
+        phi = -manhattan, +1 on reaching the goal, +0.5 more if the whole path so far is a shortest path."""
+        total, invalid = 0.0, 0
+        for a in actions:
+            if self.pos == self.goal:
+                break
+            phi = -abs(self.pos[0] - self.goal[0]) - abs(self.pos[1] - self.goal[1])
+            nxt = dict(self.neighbours(self.pos)).get(a)
+            if nxt is None:
+                total -= 0.10
+                invalid += 1
+            else:
+                self.pos, self.moves = nxt, self.moves + 1
+                total -= 0.01
+            phi2 = -abs(self.pos[0] - self.goal[0]) - abs(self.pos[1] - self.goal[1])
+            total += 0.99 * phi2 - phi
+            if self.pos == self.goal:
+                total += 1.0 + (0.5 if self.moves == self.shortest else 0.0)
+        return total, self.pos == self.goal, f"{invalid} invalid moves; now at {self.pos}"
+
+
+# -----------------------------------------------------------------------------
+# Sokoban (one box): reverse play from a solved room, so every instance is solvable
+
+
+class Sokoban(GridGame):
+    answer_fmt = 'the moves as a JSON list, e.g. ["U", "R", "R"] (U up, D down, L left, R right)'
+
+    def __init__(self, seed, size=6, reverse_steps=25, workflow="mas", compact=False):
+        super().__init__(workflow, compact)
+        rng = random.Random(f"sokoban-{size}-{seed}")
+        while True:
+            walls = {(r, c) for r in range(size) for c in range(size) if r in (0, size - 1) or c in (0, size - 1)}
+            inner = [(r, c) for r in range(1, size - 1) for c in range(1, size - 1)]
+            walls |= set(rng.sample(inner, rng.randint(0, 3)))
+            free = [p for p in inner if p not in walls]
+            goal = rng.choice(free)
+            box, player = goal, rng.choice([p for p in free if p != goal])
+            for _ in range(reverse_steps):  # reverse moves: walk, or pull the box along
+                a = rng.choice("UDLR")
+                dr, dc = MOVES[a]
+                nxt = (player[0] + dr, player[1] + dc)
+                if nxt in walls or nxt == box:
+                    continue
+                if (player[0] - dr, player[1] - dc) == box and rng.random() < 0.7:
+                    box = player
+                player = nxt
+            if abs(box[0] - goal[0]) + abs(box[1] - goal[1]) >= 2:
+                break
+        self.size, self.walls, self.goal, self.box, self.player, self.moves = size, walls, goal, box, player, 0
+
+    def rules(self):
+        return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "
+                "a box one cell if the cell behind it is free; you cannot pull.")
+
+    def board(self):
+        rows = []
+        for r in range(self.size):
+            row = ""
+            for c in range(self.size):
+                p = (r, c)
+                if p in self.walls:
+                    row += "#"
+                elif p == self.box:
+                    row += "*" if p == self.goal else "$"
+                elif p == self.player:
+                    row += "+" if p == self.goal else "@"
+                else:
+                    row += "." if p == self.goal else " "
+            rows.append(row)
+        return "\n".join(rows)
+
+    def parse(self, text):
+        return parse_actions(text, self.compact)
+
+    def move(self, state, a):
+        """(player, box) -> next state, or None if the move is invalid."""
+        player, box = state
+        dr, dc = MOVES[a]
+        nxt = (player[0] + dr, player[1] + dc)
+        if nxt in self.walls:
+            return None
+        if nxt == box:
+            beyond = (box[0] + dr, box[1] + dc)
+            if beyond in self.walls:
+                return None
+            return nxt, beyond
+        return nxt, box
+
+    def apply(self, actions):
+        """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping 0.1*(0.99*phi' - phi)
+        with phi = -box distance to the goal, +10 on solving."""
+        total = 0.0
+        for a in actions:
+            if self.box == self.goal:
+                break
+            phi = -abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])
+            was_on = self.box == self.goal
+            nxt = self.move((self.player, self.box), a)
+            if nxt is None:
+                total -= 0.05
+            else:
+                (self.player, self.box), self.moves = nxt, self.moves + 1
+                total -= 0.01
+            on = self.box == self.goal
+            total += (1.0 if on and not was_on else 0.0) - (0.5 if was_on and not on else 0.0)
+            total += 0.1 * (0.99 * (-abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])) - phi)
+            if on:
+                total += 10.0
+        return total, self.box == self.goal, f"box at {self.box}"
+
+
+# -----------------------------------------------------------------------------
+# Sudoku 4x4 with a unique solution
+
+
+def sudoku_solutions(grid, limit=2):
+    """All completions of a 4x4 grid (0 = empty), up to `limit` (brute force over empty cells)."""
+    g = [row[:] for row in grid]
+    out = []
+
+    def ok(r, c, v):
+        if v in g[r] or v in (g[i][c] for i in range(4)):
+            return False
+        br, bc = r // 2 * 2, c // 2 * 2
+        return all(g[i][j] != v for i in range(br, br + 2) for j in range(bc, bc + 2))
+
+    def rec(k):
+        if len(out) >= limit:
+            return
+        if k == 16:
+            out.append([row[:] for row in g])
+            return
+        r, c = divmod(k, 4)
+        if g[r][c]:
+            return rec(k + 1)
+        for v in range(1, 5):
+            if ok(r, c, v):
+                g[r][c] = v
+                rec(k + 1)
+                g[r][c] = 0
+    rec(0)
+    return out
+
+
+def sudoku_valid(g):
+    """A full 4x4 grid with every row, column and 2x2 box a permutation of 1..4."""
+    units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
+    units += [[g[r][c] for r in range(br, br + 2) for c in range(bc, bc + 2)] for br in (0, 2) for bc in (0, 2)]
+    return all(sorted(u) == [1, 2, 3, 4] for u in units)
+
+
+class Sudoku(GridGame):
+    answer_fmt = ("the completed grid as a JSON list of 4 rows, e.g. [[1,2,3,4],[3,4,1,2],[2,1,4,3],[4,3,2,1]] "
+                  "(or a list of [row, col, value] fills, 0-based)")
+    fail_reward = -1.0
+
+    def __init__(self, seed, workflow="mas", compact=False):
+        super().__init__(workflow, compact)
+        rng = random.Random(f"sudoku-{seed}")
+        base = [[(2 * (r % 2) + r // 2 + c) % 4 + 1 for c in range(4)] for r in range(4)]  # a valid 4x4 grid
+        digits = rng.sample(range(1, 5), 4)
+        rows = rng.sample([0, 1], 2) + rng.sample([2, 3], 2) if rng.random() < 0.5 else rng.sample([2, 3], 2) + rng.sample([0, 1], 2)
+        cols = rng.sample([0, 1], 2) + rng.sample([2, 3], 2)
+        full = [[digits[base[r][c] - 1] for c in cols] for r in rows]
+        puzzle = [row[:] for row in full]
+        for k in rng.sample(range(16), 16):  # remove clues while the solution stays unique
+            r, c = divmod(k, 4)
+            keep, puzzle[r][c] = puzzle[r][c], 0
+            if len(sudoku_solutions(puzzle)) != 1:
+                puzzle[r][c] = keep
+        self.clues, self.grid = puzzle, [row[:] for row in puzzle]
+
+    def rules(self):
+        return ("Fill the 4x4 Sudoku (0 = empty) with 1-4 so that every row, column and 2x2 box holds each digit "
+                "once. Given clues must be kept.")
+
+    def board(self):
+        return "\n".join("".join(str(v) for v in row) for row in self.grid)
+
+    def parse(self, text):
+        """[(r, c, v)] fills from a 4x4 grid (JSON, or 16 digits in compact mode) or a list of [r, c, v]."""
+        text = (text or "")[-4000:]
+        if "####" in text:
+            text = text.rsplit("####", 1)[1]
+        nums = None
+        m = re.search(r"\[\s*\[.*\]\s*\]", text, re.S)
+        if m:
+            try:
+                nums = json.loads(m.group(0))
+            except (ValueError, RecursionError):
+                nums = None
+        if nums is None and self.compact:
+            digits = re.sub(r"\s", "", text)
+            if len(digits) == 16 and digits.isdigit():
+                nums = [[int(digits[4 * r + c]) for c in range(4)] for r in range(4)]
+        if not isinstance(nums, list) or not nums:
+            return None
+        try:
+            if len(nums) == 4 and all(isinstance(r, list) and len(r) == 4 for r in nums):
+                return [(r, c, int(nums[r][c])) for r in range(4) for c in range(4)]
+            if all(isinstance(x, list) and len(x) == 3 for x in nums):
+                return [(int(r), int(c), int(v)) for r, c, v in nums][:64]
+        except (TypeError, ValueError, OverflowError):
+            return None
+        return None
+
+    def legal(self, r, c, v):
+        g = self.grid
+        if v in g[r] or v in (g[i][c] for i in range(4)):
+            return False
+        br, bc = r // 2 * 2, c // 2 * 2
+        return all(g[i][j] != v for i in range(br, br + 2) for j in range(bc, bc + 2))
+
+    def apply(self, fills):
+        """+0.1 per legal new fill, -0.3 per illegal one (bad range, changes a clue, or breaks a rule), +2 when solved."""
+        total = 0.0
+        for r, c, v in fills:
+            if not (0 <= r < 4 and 0 <= c < 4 and 1 <= v <= 4):
+                total -= 0.3
+            elif self.clues[r][c]:
+                total -= 0.3 if v != self.clues[r][c] else 0.0
+            elif self.grid[r][c] == v:
+                continue
+            elif self.grid[r][c] == 0 and self.legal(r, c, v):
+                self.grid[r][c] = v
+                total += 0.1
+            else:
+                total -= 0.3
+        solved = sudoku_valid(self.grid)
+        return total + (2.0 if solved else 0.0), solved, f"{sum(v == 0 for row in self.grid for v in row)} empty cells"
+
+
+# -----------------------------------------------------------------------------
+# Code: coder || tester
+
+CODER_SYS = ("You are the coder of a two-agent team. Write a complete, correct Python solution{how}. Put it in one "
+             "```python block.")
+TESTER_SYS = ("You are the unit tester of a two-agent team. Write {n} new test cases for the problem below that a "
+              "correct solution must pass.{how}")
+TEST_FMT_IO = " Write each case as:\n**Test Input:**\n```\n<stdin>\n```\n**Test Output:**\n```\n<expected stdout>\n```"
+TEST_FMT_ASSERT = " Write each case as one Python assert line calling the function, e.g. `assert f(1, 2) == 3`, in one ```python block."
+PREAMBLE_PATH = os.path.join(DATA, "code", "leetcode_preamble.py")
+
+
+def _norm_out(s):
+    return "\n".join(line.rstrip() for line in (s or "").strip().splitlines())
+
+
+def _program(row, solution, test_code=None):
+    pre = open(PREAMBLE_PATH).read() + "\n" if row["source"] == "leetcode" else ""
+    if row["test_type"] == "functional":
+        harness = (f"\n\nimport json as _j, sys as _s\n_a=[_j.loads(l) for l in _s.stdin.read().splitlines() if l.strip()]\n"
+                   f"print(_j.dumps(Solution().{row['entry_point']}(*_a)))\n")
+        return pre + solution + harness
+    if row["test_type"] == "code":
+        return pre + solution + "\n\n" + (row["test_code"] if test_code is None else test_code)
+    return solution
+
+
+def code_pass_rate(row, solution, tests=None, timeout=6.0):
+    """(pass rate on `tests` (default: all of the row's tests), ran without a syntax error, ran on the examples)."""
+    if solution is None:
+        return 0.0, False, False
+    try:
+        compile(solution, "<solution>", "exec")
+    except (SyntaxError, ValueError):
+        return 0.0, False, False
+    if row["test_type"] == "code":
+        r = run_code(_program(row, solution), timeout=timeout * 2)
+        return float(r.ok), True, "Error" not in r.stderr or r.ok
+    tests = row["tests"] if tests is None else tests
+    res = run_many([(_program(row, solution), t["input"], timeout) for t in tests])
+    passed = 0
+    for t, r in zip(tests, res):
+        if row["test_type"] == "functional":
+            try:
+                passed += r.ok and json.loads(r.stdout.strip().splitlines()[-1]) == json.loads(t["output"])
+            except (ValueError, IndexError):
+                pass
+        else:
+            passed += r.ok and _norm_out(r.stdout) == _norm_out(t["output"])
+    return passed / max(1, len(tests)), True, all(r.returncode == 0 or r.timed_out for r in res)
+
+
+def parse_tests(text, row):
+    """Tester output -> list of cases ({'input','output'} for io problems, assert lines for function problems)."""
+    text = (text or "")[-20000:]
+    if row["test_type"] == "code":
+        code = extract_code(text) or text
+        return [ln.strip() for ln in code.splitlines() if ln.strip().startswith("assert ")][:20]
+    pairs = re.findall(r"Input:?\**\s*```[a-z]*\n(.*?)```.*?Output:?\**\s*```[a-z]*\n(.*?)```", text, re.S)
+    return [{"input": i, "output": o} for i, o in pairs][:20]
+
+
+def reference_solution(row):
+    m = row.get("meta") or {}
+    if row["source"] == "humaneval" and m.get("canonical_solution"):
+        return row["starter_code"] + m["canonical_solution"]
+    return m.get("reference_solution")
+
+
+class CodeEnv:
+    workflow = "parallel"
+
+    def __init__(self, row, workflow="mas", train_tests=None, compact=False):
+        self.row, self.roles = row, (("coder", "tester") if workflow == "mas" else ("coder",))
+        # training scores on the first few ground-truth tests, evaluation on all of them (SPEC §4)
+        self.gt = row["tests"][:train_tests] if (train_tests and row["test_type"] != "code") else row["tests"]
+        self.turn, self.done, self.success = 0, False, False
+        self.code, self.tests, self.history = None, [], []
+        self.pending = {}
+        self.pass_rate = 0.0
+
+    def clone(self):
+        new = copy.copy(self)
+        new.pending, new.history, new.tests = dict(self.pending), list(self.history), list(self.tests)
+        return new
+
+    def observe(self, role):
+        row = self.row
+        fn = row["test_type"] in ("code", "functional")
+        task = f"Problem:\n{row['question']}"
+        if row["starter_code"] and row["starter_code"] not in row["question"]:
+            task += f"\n\nStarter code:\n```python\n{row['starter_code']}\n```"
+        if self.turn > 0:
+            task += f"\n\nCurrent code:\n```python\n{(self.code or '')[:4000]}\n```"
+            if self.history:
+                task += "\nMismatches on the tester's cases (input / expected / actual):\n" + "\n".join(self.history[-5:])
+            task += "\nCheck the code and the tests and improve your part."
+        if role == "coder":
+            how = " that completes the given function/class" if fn else " that reads stdin and writes stdout"
+            return [{"role": "system", "content": CODER_SYS.format(how=how)}, {"role": "user", "content": task}]
+        return [{"role": "system", "content": TESTER_SYS.format(n=3, how=TEST_FMT_ASSERT if row["test_type"] == "code" else TEST_FMT_IO)},
+                {"role": "user", "content": task}]
+
+    def step(self, role, text):
+        if role == "coder":
+            code = extract_code(text)
+            rate, syntax_ok, runs = code_pass_rate(self.row, code, self.gt)
+            self.pending["coder"] = (code, rate)
+            return 0.1 * syntax_ok + 0.1 * runs + 0.8 * rate
+        cases = parse_tests(text, self.row)
+        self.pending["tester"] = cases
+        if not cases:
+            return 0.0
+        ref = reference_solution(self.row)
+        if ref is None:  # no reference solution in the data: use the turn's code if it passes every GT test
+            code, rate = self.pending.get("coder", (self.code, self.pass_rate))
+            ref = code if rate == 1.0 else None
+        return 0.2 + 0.8 * (self._agree(ref, cases) if ref else 0.0)
+
+    def _agree(self, solution, cases):
+        """Fraction of `cases` that `solution` passes; the mismatches as text."""
+        if not cases or solution is None:
+            return 0.0
+        if self.row["test_type"] == "code":
+            res = run_many([(_program(self.row, solution, c), "", 6.0) for c in cases])
+            self._mism = [f"{c} -> failed" for c, r in zip(cases, res) if not r.ok]
+            return sum(r.ok for r in res) / len(cases)
+        rate, _, _ = code_pass_rate(self.row, solution, cases)
+        self._mism = []
+        return rate
+
+    def team_reward(self):
+        return self.pending.get("coder", (None, self.pass_rate))[1]
+
+    def end_turn(self):
+        if "coder" in self.pending:
+            self.code, self.pass_rate = self.pending["coder"]
+        if "tester" in self.pending:
+            self.tests = self.pending["tester"]
+        self.pending = {}
+        self.history = []
+        if self.tests and self.code:
+            agree = self._agree(self.code, self.tests)
+            self.history = [f"{m}" for m in getattr(self, "_mism", [])][:5] or ([] if agree == 1.0 else ["some generated tests fail"])
+            self.done = agree == 1.0
+        self.success = self.pass_rate == 1.0
+        if len(self.roles) == 1:
+            self.done = True  # single agent: one turn
+        self.turn += 1
+
+
+# -----------------------------------------------------------------------------
+# Math: tool || reasoner
+
+MATH_TOOL_SYS = ("You are the tool agent of a two-agent team. Write a Python program that computes the answer to the "
+                 "problem and prints only the final answer. Put it in one ```python block.")
+MATH_REASON_SYS = ("You are the reasoning agent of a two-agent team. Solve the problem step by step and put the final "
+                   "answer in \\boxed{}.")
+
+
+def _clip_mid(s, n=500):
+    return s if len(s) <= 2 * n else s[:n] + "\n...\n" + s[-n:]
+
+
+class MathEnv:
+    workflow = "parallel"
+
+    def __init__(self, row, workflow="mas", compact=False):
+        self.row, self.roles = row, (("tool", "reasoner") if workflow == "mas" else ("reasoner",))
+        self.turn, self.done, self.success = 0, False, False
+        self.prev = {}      # role -> (text shown to the other agent, answer)
+        self.pending = {}
+
+    def clone(self):
+        new = copy.copy(self)
+        new.prev, new.pending = dict(self.prev), dict(self.pending)
+        return new
+
+    def observe(self, role):
+        task = f"Problem:\n{self.row['question']}"
+        if self.turn > 0:
+            for r, (shown, ans) in self.prev.items():
+                task += f"\n\nPrevious {r} answer: {ans}\n{shown}"
+            task += "\n\nCheck the previous answers and refine yours."
+        sys_msg = MATH_TOOL_SYS if role == "tool" else MATH_REASON_SYS
+        return [{"role": "system", "content": sys_msg}, {"role": "user", "content": task}]
+
+    def step(self, role, text):
+        gold = self.row["answer"]
+        if role == "reasoner":
+            ans = last_boxed(text)
+            ok = math_equal(gold, ans)
+            self.pending["reasoner"] = (_clip_mid(text or ""), ans, ok)
+            return 0.2 * (ans is not None) + 0.8 * ok
+        code = extract_code(text)
+        r = run_code(code, timeout=20.0) if code else None
+        out = r.stdout.strip() if r else ""
+        ans = out.splitlines()[-1].strip() if out else None
+        ok = math_equal(gold, ans)
+        self.pending["tool"] = (f"```python\n{(code or '')[:2000]}\n```\nOutput: {out[-300:]}", ans, ok)
+        return 0.1 * bool(r and r.ok) + 0.1 * (ans is not None) + 0.8 * ok
+
+    def team_reward(self):
+        p = self.pending.get("reasoner")  # the driver applies the reasoner's turn answer before scoring the tool's
+        return float(bool(p and p[2]))
+
+    def end_turn(self):
+        for role, (shown, ans, ok) in self.pending.items():
+            self.prev[role] = (shown, ans)
+            if role == "reasoner":
+                self.success = ok
+        if "tool" in self.prev and "reasoner" in self.prev:
+            a, b = self.prev["tool"][1], self.prev["reasoner"][1]
+            self.done = a is not None and b is not None and (a == b or math_equal(b, a))
+        if len(self.roles) == 1:
+            self.done = True
+        self.pending = {}
+        self.turn += 1
+
+
+# -----------------------------------------------------------------------------
+# task table, splits and data
+
+
+def load_jsonl(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+# Test seeds of the generated games live in [10**6, 10**6 + 10**4); training seeds are drawn below 10**6,
+# so the two never overlap (the reference code's Sudoku test set overlapped its training pool).
+TEST_SEED0 = 10 ** 6
+TASKS = {
+    "plan": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
+    "sokoban": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
+    "sudoku": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
+    "code": dict(roles=("coder", "tester"), single="coder", workflow="parallel",
+                 train=["code/train/leetcode_train.jsonl", "code/train/livecodebench_v5_2305_2407_public.jsonl"],
+                 test=["code/test/livecodebench_v5_2408_2501_public.jsonl", "code/test/code_contests_test.jsonl",
+                       "code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl"]),
+    "math": dict(roles=("tool", "reasoner"), single="reasoner", workflow="parallel",
+                 train=["math/train/math_train.jsonl", "math/train/aime_1983_2023.jsonl"],
+                 test=["math/test/aime2024.jsonl", "math/test/aime2025.jsonl", "math/test/olympiadbench.jsonl",
+                       "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
+}
+COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": dict(size=5, reverse_steps=10), "sudoku": {}}
+
+
+def check_task(task, workflow="mas"):
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
+    if workflow not in ("mas", "single"):
+        raise ValueError(f"unknown workflow {workflow!r}: use --workflow mas or --workflow single")
+
+
+def make_game(task, seed, workflow="mas", compact=False):
+    cls = {"plan": PlanPath, "sokoban": Sokoban, "sudoku": Sudoku}[task]
+    return cls(seed, workflow=workflow, compact=compact, **(COMPACT[task] if compact else {}))
+
+
+def load_split(task, split, files=None):
+    """Rows of a dataset task: `files` (a user's own jsonl in the same schema) or the task's shipped files."""
+    check_task(task)
+    files = files or TASKS[task][split]
+    rows = []
+    for f in files:
+        path = f if os.path.isabs(f) or os.path.exists(f) else os.path.join(DATA, f)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no dataset file {path!r}: pass a jsonl in the schema of data/README.md")
+        rows += load_jsonl(path)
+    return rows
+
+
+def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None):
+    check_task(task, workflow)
+    if task in ("plan", "sokoban", "sudoku"):
+        return make_game(task, seed, workflow, compact)
+    if row is None:
+        raise ValueError(f"task {task!r} needs a dataset row (see load_split)")
+    return CodeEnv(row, workflow, train_tests=train_tests) if task == "code" else MathEnv(row, workflow)
+
+
+def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None):
+    """Fixed evaluation instances: games from the reserved test seeds, datasets from their test files."""
+    if task in ("plan", "sokoban", "sudoku"):
+        return [make_game(task, TEST_SEED0 + i, workflow, compact) for i in range(limit or n)]
+    rows = load_split(task, "test", files)[:limit]
+    return [make_env(task, workflow=workflow, row=r) for r in rows]
+
+
+def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5):
+    """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training pool."""
+    if task in ("plan", "sokoban", "sudoku"):
+        return make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
+    return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests)
