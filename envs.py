@@ -60,6 +60,9 @@ class RunResult:
 _GUARD = r'''
 import os, sys
 _here = os.path.realpath(os.getcwd())
+_LIBC_DENY = {"fork", "vfork", "clone", "clone3", "system", "execv", "execve", "execvp", "execl", "execlp", "posix_spawn",
+              "posix_spawnp", "kill", "killpg", "setsid", "daemon", "open", "open64", "openat", "creat", "unlink", "rename",
+              "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect"}
 def _inside(p):
     try:
         return os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else _here).startswith(_here)
@@ -71,8 +74,10 @@ def _hook(ev, args):
         if (any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and not _inside(args[0]):
             raise PermissionError("sandbox: writing outside the working directory is not allowed")
     elif ev in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "subprocess.Popen",
-                "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "socket.connect", "socket.bind", "os.setsid"):
+                "pty.spawn", "socket.connect", "socket.bind", "os.setsid"):
         raise PermissionError("sandbox: " + ev + " is not allowed")
+    elif ev == "ctypes.dlsym" and isinstance(args[1], str) and args[1].lstrip("_") in _LIBC_DENY:
+        raise PermissionError("sandbox: calling libc " + args[1] + " is not allowed")
     elif ev in ("os.kill", "os.killpg") and args[0] != os.getpid():
         raise PermissionError("sandbox: signalling other processes is not allowed")
     elif ev in ("os.remove", "os.unlink", "os.rmdir", "os.rename", "shutil.rmtree", "os.chmod", "os.chown",
@@ -125,7 +130,7 @@ def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20):
         out_f, err_f = open(os.path.join(work, ".out"), "wb"), open(os.path.join(work, ".err"), "wb")
         timed_out = False
         try:
-            p = subprocess.Popen([sys.executable, "-I", "-S", "_guard.py"], cwd=work, env=env, stdin=subprocess.PIPE,
+            p = subprocess.Popen([sys.executable, "-I", "_guard.py"], cwd=work, env=env, stdin=subprocess.PIPE,
                                  stdout=out_f, stderr=err_f, preexec_fn=_limits(mem_mb, int(math.ceil(timeout)) + 1, out_bytes))
             try:
                 p.communicate(stdin.encode("utf-8", errors="replace"), timeout=timeout)
@@ -841,9 +846,11 @@ def load_jsonl(path):
     return rows
 
 
-# Test seeds of the generated games live in [10**6, 10**6 + 10**4); training seeds are drawn below 10**6,
-# so the two never overlap (the reference code's Sudoku test set overlapped its training pool).
-TEST_SEED0 = 10 ** 6
+# Test seeds of the generated games are TEST_SEED0 + [0, MAX_TEST); training seeds are drawn below TEST_SEED0, and
+# a training instance whose board equals any reserved test board is redrawn: 4x4 Sudoku has few distinct puzzles,
+# so disjoint seeds alone would still overlap (the reference code's Sudoku test set overlapped its training pool).
+TEST_SEED0, MAX_TEST = 10 ** 6, 1000
+_TEST_BOARDS = {}
 TASKS = {
     "plan": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
     "sokoban": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
@@ -857,7 +864,7 @@ TASKS = {
                  test=["math/test/aime2024.jsonl", "math/test/aime2025.jsonl", "math/test/olympiadbench.jsonl",
                        "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
 }
-COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": dict(size=5, reverse_steps=10), "sudoku": {}}
+COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": {}, "sudoku": {}}
 
 
 def check_task(task, workflow="mas"):
@@ -897,6 +904,8 @@ def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=
 def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None):
     """Fixed evaluation instances: games from the reserved test seeds, datasets from their test files."""
     if task in ("plan", "sokoban", "sudoku"):
+        if (limit or n) > MAX_TEST:
+            raise ValueError(f"at most {MAX_TEST} test instances are reserved for {task}")
         return [make_game(task, TEST_SEED0 + i, workflow, compact) for i in range(limit or n)]
     rows = load_split(task, "test", files)[:limit]
     return [make_env(task, workflow=workflow, row=r) for r in rows]
@@ -905,5 +914,11 @@ def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None)
 def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5):
     """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training pool."""
     if task in ("plan", "sokoban", "sudoku"):
-        return make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
+        key = (task, compact)
+        if key not in _TEST_BOARDS:
+            _TEST_BOARDS[key] = {make_game(task, TEST_SEED0 + i, compact=compact).board() for i in range(MAX_TEST)}
+        while True:
+            env = make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
+            if env.board() not in _TEST_BOARDS[key]:
+                return env
     return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests)

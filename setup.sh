@@ -6,12 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-STAMP=.venv/.setup-done-v1
+STAMP=.venv/.setup-done-v2
 if [ -f "$STAMP" ]; then exit 0; fi
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-COMMON="transformers<5.20 numpy tqdm safetensors pytest math-verify matplotlib"
+COMMON="transformers<5.20 numpy tqdm safetensors pytest math-verify matplotlib sortedcontainers"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   python -m pip install -q vllm $COMMON
 else
