@@ -256,7 +256,7 @@ class GridGame:
         self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
         self.compact, self.turn, self.done, self.success = compact, 0, False, False
         self.tool_text, self.tool_out, self.tool_sim = None, None, None  # what the plan agent sees this turn
-        self.last_plan = None
+        self.last_plan, self.format_ok = None, True
 
     def clone(self):
         return copy.deepcopy(self)
@@ -276,7 +276,7 @@ class GridGame:
     def step(self, role, text):
         if role == "tool":
             out, action = self.tool_answer(text)
-            self.tool_text, self.tool_out = text, out
+            self.tool_text, self.tool_out, self.format_ok = text, out, action is not None
             if action is None:
                 self.tool_sim = "unparseable"
                 return self.fail_reward
@@ -285,7 +285,7 @@ class GridGame:
             self.tool_sim = ("solved" if solved else "not solved") + (f" ({note})" if note and not self.compact else "")
             return reward
         action = self.parse(text)
-        self.last_plan = text
+        self.last_plan, self.format_ok = text, action is not None
         if action is None:
             return self.fail_reward
         reward, solved, _ = self.apply(action)
@@ -691,7 +691,7 @@ class CodeEnv:
         self.gt = row["tests"][:train_tests] if (train_tests and row["test_type"] != "code") else row["tests"]
         self.turn, self.done, self.success = 0, False, False
         self.code, self.tests, self.history = None, [], []
-        self.pending = {}
+        self.pending, self.format_ok = {}, True
         self.pass_rate = 0.0
 
     def clone(self):
@@ -719,11 +719,12 @@ class CodeEnv:
     def step(self, role, text):
         if role == "coder":
             code = extract_code(text)
+            self.format_ok = code is not None
             rate, syntax_ok, runs = code_pass_rate(self.row, code, self.gt)
             self.pending["coder"] = (code, rate)
             return 0.1 * syntax_ok + 0.1 * runs + 0.8 * rate
         cases = parse_tests(text, self.row)
-        self.pending["tester"] = cases
+        self.pending["tester"], self.format_ok = cases, bool(cases)
         if not cases:
             return 0.0
         ref = reference_solution(self.row)
@@ -784,7 +785,7 @@ class MathEnv:
         self.row, self.roles = row, (("tool", "reasoner") if workflow == "mas" else ("reasoner",))
         self.turn, self.done, self.success = 0, False, False
         self.prev = {}      # role -> (text shown to the other agent, answer)
-        self.pending = {}
+        self.pending, self.format_ok = {}, True
 
     def clone(self):
         new = copy.copy(self)
@@ -804,10 +805,12 @@ class MathEnv:
         gold = self.row["answer"]
         if role == "reasoner":
             ans = last_boxed(text)
+            self.format_ok = ans is not None
             ok = math_equal(gold, ans)
             self.pending["reasoner"] = (_clip_mid(text or ""), ans, ok)
             return 0.2 * (ans is not None) + 0.8 * ok
         code = extract_code(text)
+        self.format_ok = code is not None
         r = run_code(code, timeout=20.0) if code else None
         out = r.stdout.strip() if r else ""
         ans = out.splitlines()[-1].strip() if out else None

