@@ -301,7 +301,7 @@ class GridGame:
 
     def observe(self, role):
         if self.compact:
-            c = self.board()
+            c = self.board() + (("\n" + self.summary()) if hasattr(self, "summary") else "")
             if role == "plan" and "tool" in self.roles:
                 c += f"\n{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}"
             return [{"role": "user", "content": c}]
@@ -356,6 +356,13 @@ class PlanPath(GridGame):
             if path is not None:
                 break
         self.start, self.shortest, self.moves = start, len(path), 0
+
+    def summary(self):
+        """Compact mode's extra line: the goal offset and the four neighbours ('.' free, '#' blocked or off-grid),
+        e.g. '+2-1 U.D#L.R#'. Same information as the grid, in a form a tiny model learns from in minutes."""
+        free = dict(self.neighbours(self.pos))
+        dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
+        return f"{dr:+d}{dc:+d} " + "".join(a + ("." if a in free else "#") for a in "UDLR")
 
     def neighbours(self, s):
         out = []

@@ -119,3 +119,153 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
     total = len(results) * k
     res["success_by_turn"] = {f"<= {t}": sum(v for tt, v in by_turn.items() if tt <= t) / max(1, total) for t in range(1, turns + 1)}
     return res
+
+
+# -----------------------------------------------------------------------------
+# plots
+
+
+def plot(run_dirs, out_png):
+    """Training curves of one or several runs (ablations side by side) from their metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("eval_success", "held-out success (greedy)"), ("reward", "train reward per agent"),
+              ("dlogp", "sampler vs trainer |dlogp|"), ("grad_norm", "grad norm")]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    for d in run_dirs:
+        path = os.path.join(d, "metrics.jsonl")
+        if not os.path.exists(path):
+            raise SystemExit(f"no metrics.jsonl in {d!r}: pass a train.py --out_dir")
+        rec = [json.loads(l) for l in open(path) if l.strip()]
+        name = os.path.basename(os.path.normpath(d))
+        xs = lambda key: [(r.get("time", 0) / 60, r[key]) for r in rec if key in r]
+        ev = xs("eval_success")
+        axes[0].plot([x for x, _ in ev], [y for _, y in ev], marker="o", label=name)
+        for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
+            v = xs(key)
+            axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
+        for key in sorted({k for r in rec for k in r if k.startswith("dlogp_p")}):
+            v = xs(key)
+            axes[2].semilogy([x for x, _ in v], [max(y, 1e-12) for _, y in v], label=f"{name} {key[6:]}")
+        for key in sorted({k for r in rec for k in r if k.startswith("grad_norm_p")}):
+            v = xs(key)
+            axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
+    for ax, (_, title) in zip(axes, panels):
+        ax.set_title(title)
+        ax.set_xlabel("wall-clock minutes")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    return out_png
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def markdown(res, title):
+    lines = [f"### {title}", "", "| metric | value | 95% CI |", "|---|---|---|"]
+    lines.append(f"| accuracy | {res['accuracy']:.3f} | {res['ci'][0]:.3f}-{res['ci'][1]:.3f} |")
+    if res["k"] > 1:
+        lines.append(f"| avg@{res['k']} | {res['avg@k']:.3f} | {res['avg@k_ci'][0]:.3f}-{res['avg@k_ci'][1]:.3f} |")
+        lines.append(f"| pass@{res['k']} | {res['pass@k']:.3f} | {res['pass@k_ci'][0]:.3f}-{res['pass@k_ci'][1]:.3f} |")
+    lines += ["", "| role | calls | format errors | local reward | answer tokens |", "|---|---|---|---|---|"]
+    for r, v in res["per_role"].items():
+        lines.append(f"| {r} | {v['calls']} | {v['format_error_rate']:.3f} | {v['local_reward']:+.3f} | {v['answer_tokens']:.1f} |")
+    lines += ["", "success by turn: " + ", ".join(f"{k}: {v:.3f}" for k, v in res["success_by_turn"].items()), ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    a = dict(task=None, model=None, policy=[], workflow="mas", k=None, temperature=None, split="test", limit=None, turns=4,
+             engine="vllm", out=None, plot=[], max_new_tokens=None, files=[], compact=None, max_model_len=None)
+    i = 0
+    while i < len(argv):
+        name, val = (argv[i][2:].split("=", 1) + [None])[:2] if argv[i].startswith("--") else (None, None)
+        if name is None or name not in a:
+            raise SystemExit(f"unknown argument {argv[i]!r}; flags: {', '.join('--' + k for k in a)}")
+        if name == "plot":  # --plot takes every following non-flag argument
+            j = i + 1
+            vals = [val] if val else []
+            while j < len(argv) and not argv[j].startswith("--"):
+                vals.append(argv[j])
+                j += 1
+            a["plot"], i = vals, j
+            continue
+        if val is None:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"--{name} needs a value")
+            val, i = argv[i + 1], i + 1
+        if name in ("policy", "files"):
+            a[name].append(val)
+        else:
+            a[name] = val
+        i += 1
+    return a
+
+
+def main(argv):
+    a = parse_args(argv)
+    if a["plot"]:
+        print(plot(a["plot"], a["out"] or "curves.png"))
+        return None
+    task, workflow = a["task"], a["workflow"]
+    if task is None:
+        raise SystemExit("--task is required (plan, sokoban, sudoku, code, math), or --plot RUN_DIR ...")
+    try:
+        E.check_task(task, workflow)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    roles = E.TASKS[task]["roles"] if workflow == "mas" else (E.TASKS[task]["single"],)
+    paths = {r: a["model"] for r in roles}
+    for spec in a["policy"]:
+        if "=" not in spec:
+            raise SystemExit(f"--policy takes ROLE=PATH, not {spec!r}")
+        r, p = spec.split("=", 1)
+        if r not in roles:
+            raise SystemExit(f"task {task!r} ({workflow}) has no role {r!r}: its roles are {', '.join(roles)}")
+        paths[r] = p
+    for r, p in paths.items():
+        if not p:
+            raise SystemExit(f"no model for role {r!r}: pass --model PATH or --policy {r}=PATH")
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise SystemExit(f"model for role {r!r} not found: {p!r} has no config.json (a HF folder or a train.py ckpt/policyN)")
+    if a["split"] != "test":
+        raise SystemExit("--split: only 'test' is evaluated here (training instances are generated or drawn by train.py)")
+    is_math = task == "math"
+    k = int(a["k"] or (4 if is_math else 1))
+    temp = float(a["temperature"] if a["temperature"] is not None else (0.6 if is_math else 0.0))
+    if k > 1 and temp == 0.0:
+        raise SystemExit(f"--k {k} with greedy decoding gives k identical samples: set --temperature (paper: 0.6)")
+    # a model trained by the embedded default plays the compact game; real checkpoints the full prompts
+    cfg = json.load(open(os.path.join(next(iter(paths.values())), "config.json")))
+    tiny = cfg.get("vocab_size", 0) < 1000
+    compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
+    max_new = int(a["max_new_tokens"] or (8 if tiny else 4096))
+    limit = int(a["limit"]) if a["limit"] else None
+    test_envs = E.test_set(task, n=100, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit)
+
+    from transformers import AutoTokenizer
+    from rollout import Agents, make_engine
+    uniq = sorted(set(paths.values()))
+    engines = [make_engine(a["engine"], p, seed=0, max_len=int(a["max_model_len"] or (512 if tiny else max_new + 8192))) for p in uniq]
+    agents = Agents(AutoTokenizer.from_pretrained(uniq[0]), engines, {r: uniq.index(p) for r, p in paths.items()},
+                    max_prompt_tokens=256 if tiny else 8192)
+    res = evaluate(test_envs, agents, int(a["turns"]), k=k, temperature=temp, max_new_tokens=max_new, progress=True)
+    proto = f"{task}, {workflow}, {'greedy' if temp == 0 else f'T={temp}'}, k={k}, turns={a['turns']}, n={res['n']}"
+    res.update(task=task, workflow=workflow, policies=paths, protocol=proto)
+    md = markdown(res, f"{task} ({proto}); " + ", ".join(f"{r}={p}" for r, p in paths.items()))
+    print(md)
+    if a["out"]:
+        os.makedirs(os.path.dirname(os.path.abspath(a["out"])), exist_ok=True)
+        with open(a["out"] + ".json" if not a["out"].endswith(".json") else a["out"], "w") as f:
+            json.dump(res, f, indent=2)
+        with open(a["out"].removesuffix(".json") + ".md", "w") as f:
+            f.write(md)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -77,8 +77,8 @@ SIZES = {
     "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8),
     "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                tie_word_embeddings=False),
-    # ~3.3M parameters; vocab = 256 bytes + 5 specials, padded to 264 (a sampled padded row ends the sequence)
-    "tiny": dict(vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    # ~2M parameters; vocab = 256 bytes + 5 specials, padded to 264 (a sampled padded row ends the sequence)
+    "tiny": dict(vocab_size=264, hidden_size=192, intermediate_size=576, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=256,
                  eos_token_id=258),
 }
@@ -300,8 +300,6 @@ def hf_state_dict(model):
     out = {}
     for name, p in model.state_dict().items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        if name.endswith("rotary.inv_freq"):
             continue
         out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
     return out

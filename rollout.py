@@ -68,8 +68,12 @@ class VLLMEngine(Engine):
     def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one log line per step is ours to print
+        import logging
         import torch.distributed as dist
         from vllm import LLM
+        # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": expected, not news
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         kw = {}
         if dist.is_initialized() and dist.get_world_size() > 1:
             kw["distributed_executor_backend"] = "external_launcher"

@@ -699,3 +699,376 @@ def test_code_env_pass_rates_and_hand_rewards():
     bad = call.rsplit("==", 1)[0] + "== 'surely not'"
     assert env.step("tester", f"```python\n{call}\n{bad}\n```") == pytest.approx(0.2 + 0.8 * 0.5)
     assert E.CodeEnv(lc).step("coder", "```python\nclass Solution:\n    pass\n```") < 1.0
+
+
+# -----------------------------------------------------------------------------
+# grpo_mas.py: keys, advantages, filter, loss against hand-computed values
+
+import grpo_mas as G
+from rollout import Sample
+
+
+def _s(env, role, turn, traj, reward):
+    return Sample(policy=0, env=env, role=role, turn=turn, traj=traj, prompt_ids=[1], response_ids=[2],
+                  sampler_logprobs=[0.0], reward=reward)
+
+
+def test_group_keys_and_advantages_by_hand():
+    # env 0: two agents, two turns, K=2 siblings per node (tree) / 2 trajectories (plain)
+    ss = [_s(0, "tool", 0, 0, 1.0), _s(0, "tool", 0, 1, 3.0), _s(0, "plan", 0, 0, 10.0), _s(0, "plan", 0, 1, 10.0),
+          _s(0, "plan", 1, 0, 0.0), _s(0, "plan", 1, 1, 4.0), _s(1, "tool", 0, 0, 5.0), _s(1, "tool", 0, 1, 7.0)]
+    keys = {a: sorted({G.KEYS[a](s) for s in ss}) for a in G.KEYS}
+    assert keys["at_grpo"] == [(0, "plan", 0), (0, "plan", 1), (0, "tool", 0), (1, "tool", 0)]
+    assert keys["grpo"] == [(0,), (1,)]
+    assert keys["dr_mas"] == [(0, "plan"), (0, "tool"), (1, "tool")]
+    kept, diag = G.compute_advantages(ss, "at_grpo")
+    e = 1e-6
+    assert [round(s.adv, 5) for s in ss] == [round(-1 / (1 + e), 5), round(1 / (1 + e), 5), 0.0, 0.0,
+                                            round(-1 / (1 + e), 5), round(1 / (1 + e), 5), round(-1 / (1 + e), 5), round(1 / (1 + e), 5)]
+    assert diag["zero_var_frac"] == 0.25 and diag["groups"] == 4 and len(kept) == 8
+    kept, diag = G.compute_advantages(ss, "at_grpo", drop_zero_var=True)
+    assert len(kept) == 6 and diag["dropped"] == 2
+    # dr_mas: (env 0, plan) pools 10, 10, 0, 4 -> mean 6, population std sqrt(((4^2)*2 + 36 + 4) / 4) = sqrt(18)
+    G.compute_advantages(ss, "dr_mas")
+    sd = math.sqrt(18)
+    assert ss[2].adv == pytest.approx(4 / (sd + e)) and ss[4].adv == pytest.approx(-6 / (sd + e))
+    # grpo: returns per (env, traj, agent); group env 0 over the distinct (traj, agent) returns
+    G.trajectory_returns(ss)
+    assert ss[2].ret == 10.0 and ss[5].ret == 14.0 and ss[0].ret == 1.0
+    G.compute_advantages(ss, "grpo")
+    vals = [1.0, 3.0, 10.0, 14.0]  # (traj0,tool) (traj1,tool) (traj0,plan) (traj1,plan)
+    mu = sum(vals) / 4
+    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / 4)
+    assert ss[4].adv == pytest.approx((10.0 - mu) / (sd + e)) and ss[5].adv == pytest.approx((14.0 - mu) / (sd + e))
+    with pytest.raises(ValueError, match="unknown algo"):
+        G.compute_advantages(ss, "ppo")
+
+
+def test_ppo_loss_clip_regions_by_hand():
+    lp = torch.log(torch.tensor([[0.5, 1.5, 1.1, 5.0]]))  # ratios (old = 0): 0.5, 1.5, 1.1, 5.0
+    old = torch.zeros(1, 4)
+    mask = torch.ones(1, 4)
+    pos = torch.tensor([1.0])
+    loss, st = G.ppo_loss(lp, old, pos, mask, n_tokens=4)
+    # A>0: -min(r, clip(r)) -> -0.5, -1.2, -1.1, -1.2
+    assert loss.item() == pytest.approx((-0.5 - 1.2 - 1.1 - 1.2) / 4) and st["clip_tokens"] == 2
+    neg = torch.tensor([-1.0])
+    loss, st = G.ppo_loss(lp, old, neg, mask, n_tokens=4)
+    # A<0: max(r, clip(r)) = 0.8, 1.5, 1.1, 5.0 ; dual clip caps at c=3 -> 0.8, 1.5, 1.1, 3.0
+    assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 3.0) / 4) and st["clip_tokens"] == 1
+    loss, _ = G.ppo_loss(lp, old, neg, mask, n_tokens=4, dual_clip=0)
+    assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 5.0) / 4)
+    loss, _ = G.ppo_loss(lp, old, pos, mask, n_tokens=4, eps_high=0.28)  # clip-higher
+    assert loss.item() == pytest.approx((-0.5 - 1.28 - 1.1 - 1.28) / 4)
+    # gradient: clipped tokens get none
+    lp2 = lp.clone().requires_grad_()
+    G.ppo_loss(lp2, old, pos, mask, n_tokens=4)[0].backward()
+    assert lp2.grad[0, 1] == 0 and lp2.grad[0, 3] == 0 and lp2.grad[0, 0] != 0
+
+
+def test_k3_kl_nonnegative_and_zero_when_equal():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 7, generator=g)
+    ref = torch.randn(3, 7, generator=g)
+    mask = torch.ones(3, 7)
+    adv = torch.zeros(3)
+    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=ref, kl_coef=1.0)
+    assert st["kl_sum"] > 0
+    r = ref - lp
+    assert ((torch.exp(r) - r - 1) >= 0).all()
+    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=lp.clone(), kl_coef=1.0)
+    assert st["kl_sum"] == 0.0
+
+
+def test_token_mean_invariant_to_micro_batch_and_rank_split():
+    """Gradient of the step's loss is the same whether 5 sequences go in one micro-batch, in three, or spread over
+    two 'ranks' (FSDP averages rank gradients: each rank's loss is scaled by world)."""
+    import train as T
+    torch.manual_seed(0)
+    cfg = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[0]})
+    m = M.Qwen3(cfg)
+    m.init_weights(0.05)
+    g = random.Random(0)
+    items = [([g.randrange(90) for _ in range(g.randint(5, 15))], 3, g.uniform(-2, 2), None) for _ in range(5)]
+    items = [(seq, n_p, a, [0.0] * (len(seq) - n_p)) for seq, n_p, a, _ in items]
+    n_tok = sum(len(s) - n for s, n, _, _ in items)
+
+    def grads(groups, world):
+        m.zero_grad()
+        for mb in groups:
+            ids, mask, _, adv = T.collate(mb, torch.device("cpu"))
+            lp = m(ids[:, :-1], targets=ids[:, 1:])
+            loss, _ = G.ppo_loss(lp, lp.detach() - 0.1, adv, mask, n_tok)
+            (loss * world / world).backward()  # world-scaled loss, then FSDP's average over `world` ranks
+        return [p.grad.clone() for p in m.parameters()]
+    one = grads([items], 1)
+    three = grads([items[:2], items[2:3], items[3:]], 1)
+    ranks = grads([items[:4], [T.DUMMY], items[4:]], 2)  # uneven ranks, padded with a zero-weight micro-batch
+    for a, b, c in zip(one, three, ranks):
+        assert (a - b).abs().max() < 1e-6 and (a - c).abs().max() < 1e-6
+
+
+# -----------------------------------------------------------------------------
+# rollouts: tree invariants on recorded rollouts
+
+
+@pytest.fixture(scope="session")
+def torch_agents(tiny_dir):
+    from transformers import AutoTokenizer
+    from rollout import Agents, make_engine
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    eng = make_engine("torch", tiny_dir, seed=0, max_len=1024)
+    return Agents(tok, [eng], {"tool": 0, "plan": 0, "coder": 0, "tester": 0, "reasoner": 0}, 512)
+
+
+def test_tree_invariants_sequential(torch_agents):
+    from rollout import tree_rollout
+    K = 4
+    start = [E.make_env("plan", seed=s, compact=True) for s in range(6)]
+    envs = [e.clone() for e in start]
+    samples = tree_rollout(envs, torch_agents, K, 3, dict(temperature=1.0, top_p=1.0, max_new_tokens=6), rng=random.Random(0))
+    groups = {}
+    for s in samples:
+        groups.setdefault(G.KEYS["at_grpo"](s), []).append(s)
+    for key, g in groups.items():
+        assert len(g) == K and all(s.prompt_ids == g[0].prompt_ids for s in g)  # K siblings of one state
+    # replay: from the start state, the argmax sibling (ties -> lowest index) of each node reproduces the final state
+    tok = torch_agents.tok
+    for i, env0 in enumerate(start):
+        e = env0.clone()
+        for t in range(3):
+            if e.done:
+                break
+            for role in e.roles:
+                g = groups.get((i, role, t))
+                if g is None:
+                    break
+                w = max(range(K), key=lambda j: (g[j].reward, -j))
+                assert torch_agents.render(e.observe(role)) == g[0].prompt_ids  # the continuing state is the winner's
+                e.step(role, tok.decode(g[w].response_ids, skip_special_tokens=True))
+            e.end_turn()
+        assert (e.pos, e.turn, e.done) == (envs[i].pos, envs[i].turn, envs[i].done)
+        assert start[i].pos == start[i].start  # the caller's envs were never stepped
+
+
+def test_clones_are_independent_for_every_task():
+    code_row = E.load_split("code", "test")[0]
+    math_row = E.load_split("math", "test")[0]
+    for env in [E.make_env("plan", 1), E.make_env("sokoban", 1), E.make_env("sudoku", 1),
+                E.make_env("code", row=code_row), E.make_env("math", row=math_row)]:
+        a, b = env.clone(), env.clone()
+        role = env.roles[-1]
+        a.step(role, '#### ["R", "D"]' if role == "plan" else "```python\nprint(1)\n```\n\\boxed{1}")
+        a.end_turn()
+        assert b.turn == 0 and env.turn == 0
+        if hasattr(env, "grid"):
+            assert b.grid == env.grid
+        if hasattr(env, "pending"):
+            assert b.pending == {} and env.pending == {}
+
+
+# -----------------------------------------------------------------------------
+# train.py end to end (tiny model; torch engine for the matrix, vLLM for the default path)
+
+SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
+         "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
+
+
+@pytest.mark.parametrize("task", list(E.TASKS))
+def test_train_smoke_every_combination(task, tmp_path):
+    import train as T
+    for workflow in ("mas", "single"):
+        for policies in ("shared", "per_role"):
+            for algo in ("at_grpo", "grpo", "dr_mas"):
+                out = tmp_path / f"{workflow}-{policies}-{algo}"
+                T.main(SMOKE + ["--task", task, "--workflow", workflow, "--policies", policies, "--algo", algo, "--out_dir", str(out)])
+                rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
+                assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0, (workflow, policies, algo)
+                n_pol = 2 if (workflow == "mas" and policies == "per_role") else 1
+                assert all(f"grad_norm_p{p}" in rec[-1] for p in range(n_pol))
+
+
+def test_train_real_model_path(tiny_dir, tmp_path):
+    """--model pointing at a saved tiny checkpoint goes through the real-model path (no compact task, no warm-up)."""
+    import train as T
+    T.main(SMOKE + ["--task", "plan", "--model", tiny_dir, "--out_dir", str(tmp_path / "r"), "--max_prompt_tokens", "900",
+                    "--max_model_len", "1024", "--lr", "1e-5", "--ckpt_every", "1"])
+    cfg = json.load(open(tmp_path / "r" / "config.json"))
+    assert cfg["model"] == tiny_dir and cfg["lr"] == 1e-5
+    ck = tmp_path / "r" / "ckpt" / "policy0"
+    assert M.load_model(str(ck)).num_params() == M.load_model(tiny_dir).num_params()
+    hf_model(str(ck))  # transformers loads the checkpoint as it is
+
+
+def test_bad_flags_fail_fast(tmp_path):
+    import train as T
+    for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
+                      (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
+                      (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint")]:
+        with pytest.raises(SystemExit, match=msg):
+            T.main(argv)
+
+
+def _run(args, timeout=600, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    r = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+DIST_WORKER = r'''
+import json, os, random, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["HERE"])
+import model as M, train as T
+from rollout import Sample
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if world > 1:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if world > 1 else 0
+g = random.Random(0)
+samples = []
+for i in range(7):  # fixed data; rank 0 gets 5 samples, rank 1 gets 2 (uneven: padded micro-batches)
+    n_p, n_r = g.randint(4, 12), g.randint(1, 9)
+    samples.append(Sample(0, i, "plan", 0, 0, [g.randrange(250) for _ in range(n_p)], [g.randrange(250) for _ in range(n_r)],
+                          [-1.0] * n_r, 0.0, adv=g.uniform(-2, 2)))
+mine = samples if world == 1 else (samples[:5] if rank == 0 else samples[5:])
+m = M.load_model(os.environ["TINY"])
+if world > 1:
+    M.shard(m)
+opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+cfg = {k: getattr(T, k) for k in T.config_keys}
+cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3)  # small budget: several micro-batches
+st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
+loss = T.all_sum([st["loss"], st["tokens"]], world)
+state = M.hf_state_dict(m)
+if rank == 0:
+    torch.save({"loss": loss[0], "tokens": loss[1], "grad_norm": st["grad_norm"], "state": state}, os.environ["OUTF"])
+'''
+
+
+def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path):
+    (tmp_path / "w.py").write_text(DIST_WORKER)
+    env = {"HERE": HERE, "TINY": tiny_dir}
+    _run([PY, str(tmp_path / "w.py")], env_extra={**env, "OUTF": str(tmp_path / "one.pt")})
+    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", str(tmp_path / "w.py")],
+         env_extra={**env, "OUTF": str(tmp_path / "two.pt")})
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["tokens"] == two["tokens"]
+    assert abs(one["loss"] - two["loss"]) < 1e-6 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-5
+    for k in one["state"]:
+        assert (one["state"][k] - two["state"][k]).abs().max() < 1e-5, k
+
+
+def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path):
+    out = tmp_path / "tr"
+    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535", "train.py", "--engine", "torch",
+          "--steps", "3", "--envs_per_step", "6", "--K", "3", "--turns", "3", "--eval_every", "3", "--eval_n", "10",
+          "--ckpt_every", "3", "--warmup_steps", "0", "--out_dir", str(out)], timeout=900)
+    rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    steps = [r for r in rec if "samples_per_rank" in r]
+    assert len(steps) == 3 and "eval_success" in rec[-1]
+    assert any(r["samples_per_rank"][0] != r["samples_per_rank"][1] for r in steps)  # ranks held different counts
+    assert (out / "ckpt" / "policy0" / "model.safetensors").exists()
+
+
+def test_stale_engine_shows_in_dlogp(tmp_path):
+    base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--warmup_steps", "0", "--steps", "3",
+                         "--envs_per_step", "4", "--lr", "1e-3"]
+    import train as T
+    T.main(base + ["--out_dir", str(tmp_path / "a")])
+    T.main(base + ["--out_dir", str(tmp_path / "b"), "--sync", "false"])
+    a = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]
+    b = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl")]
+    # fp32 sampler and trainer: synced |dlogp| stays < 1e-4 every step; a stale engine is far above it
+    assert all(r["dlogp_p0"] < 1e-4 for r in a)
+    assert b[0]["dlogp_p0"] < 1e-4 and all(r["dlogp_p0"] > 1e-3 for r in b[1:])
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run."""
+    args = [PY, "train.py", "--steps", "4", "--ckpt_every", "2", "--eval_every", "2", "--eval_n", "10",
+            "--envs_per_step", "4", "--warmup_steps", "20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _run(args + ["--out_dir", str(tmp_path / "a")], timeout=900)
+    p = subprocess.Popen(args + ["--out_dir", str(tmp_path / "b")], cwd=HERE, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:
+        if line.startswith("step    3"):
+            p.kill()
+            break
+    p.wait()
+    assert not (tmp_path / "b" / "metrics.jsonl").read_text().count('"step": 4')
+    _run(args + ["--out_dir", str(tmp_path / "b"), "--resume", "true"], timeout=900)
+
+    def strip(path):
+        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
+    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9), (x["step"], k)
+
+
+# -----------------------------------------------------------------------------
+# eval.py: metrics against brute force, intervals against known cases, end to end, bad input
+
+import eval as V
+
+
+def test_pass_and_avg_at_k_brute_force():
+    import itertools
+    results = [[True, False, False, True], [False] * 4, [True] * 4, [False, False, True, False]]
+    for k in (1, 2, 3, 4):
+        brute = []
+        for r in results:  # pass@k = P(a random k-subset of the n samples holds a success)
+            subsets = list(itertools.combinations(r, k))
+            brute.append(sum(any(s) for s in subsets) / len(subsets))
+        assert sum(V.pass_at_k(4, sum(r), k) for r in results) / 4 == pytest.approx(sum(brute) / 4)
+    res = V.summarize(results, 4)
+    assert res["avg@k"] == pytest.approx((0.5 + 0 + 1 + 0.25) / 4) and res["pass@k"] == pytest.approx(3 / 4)
+
+
+def test_wilson_interval_known_case():
+    # Wilson 95% interval for 8 successes in 10 (textbook value 0.490-0.943)
+    lo, hi = V.wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-3) and hi == pytest.approx(0.9433, abs=1e-3)
+    assert V.wilson(0, 20)[0] == 0.0 and V.wilson(20, 20)[1] == 1.0
+
+
+def test_eval_bad_input_fails_before_loading(tmp_path, tiny_dir):
+    for argv, msg in [(["--task", "chess", "--model", tiny_dir], "unknown task"),
+                      (["--task", "plan", "--model", str(tmp_path / "missing")], "not found"),
+                      (["--task", "plan", "--model", tiny_dir, "--policy", "coder=" + tiny_dir], "no role 'coder'"),
+                      (["--task", "plan"], "no model for role"),
+                      (["--task", "math", "--model", tiny_dir, "--k", "4", "--temperature", "0"], "identical samples")]:
+        with pytest.raises(SystemExit, match=msg):
+            V.main(argv)
+
+
+@pytest.mark.parametrize("task", ["code", "math"])
+def test_every_shipped_test_set_runs(task, tiny_dir, torch_agents):
+    for f in E.TASKS[task]["test"]:
+        envs_ = E.test_set(task, files=[f], limit=2)
+        assert len(envs_) == 2
+        res = V.evaluate(envs_, torch_agents, turns=2, k=1, temperature=0.0, max_new_tokens=8)
+        assert res["n"] == 2 and 0.0 <= res["accuracy"] <= 1.0
+
+
+def test_games_test_sets_run(torch_agents):
+    for task in ("plan", "sokoban", "sudoku"):
+        for wf in ("mas", "single"):
+            res = V.evaluate(E.test_set(task, workflow=wf, compact=True, limit=4), torch_agents, 2, max_new_tokens=8)
+            assert res["n"] == 4 and set(res["per_role"]) == set(E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]])
+
+
+def test_plot_from_metrics(tmp_path):
+    for name, vals in (("a", [0.1, 0.5]), ("b", [0.2, 0.3])):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for i, v in enumerate(vals):
+                f.write(json.dumps({"step": i, "time": 60.0 * i, "eval_success": v, "reward_plan": v, "dlogp_p0": 1e-6,
+                                    "grad_norm_p0": 0.5}) + "\n")
+    out = V.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "c.png"))
+    assert os.path.getsize(out) > 10000

@@ -46,7 +46,7 @@ policies = "shared"        # shared: one model for all roles; per_role: one mode
 K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
 turns = None               # T, max turns per episode (paper 4)
 envs_per_step = None       # E, env instances per step over all ranks (paper 128)
-minibatches = 1            # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2)
+minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2)
 steps = None               # training steps (paper ~400)
 lr = None                  # AdamW learning rate (paper 1e-6, constant)
 weight_decay = 0.01
@@ -71,15 +71,16 @@ eval_every = None          # held-out evaluation every N steps (0 = never); also
 eval_n = 100               # held-out instances (games: fixed test seeds; code/math: first N of the test files)
 ckpt_every = None          # checkpoint every N steps
 resume = False             # continue from out_dir/ckpt
-time_limit_min = 0.0       # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
-warmup_steps = 300         # tiny model only: format warm-up steps (random valid answers, never solutions)
+time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
+warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
 grad_checkpoint = False    # activation checkpointing per decoder layer
+sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
 
 DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
-    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, max_new_tokens=2048, max_prompt_tokens=8192,
-                 max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20),
-    "tiny": dict(turns=4, envs_per_step=32, steps=150, lr=2e-4, max_new_tokens=8, max_prompt_tokens=256,
-                 max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10),
+    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
+                 max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0),
+    "tiny": dict(turns=4, envs_per_step=16, steps=400, lr=5e-4, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
+                 max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
            "policies": ["shared", "per_role"], "engine": ["vllm", "torch"], "branch": ["greedy", "random"]}
@@ -90,7 +91,7 @@ config_keys = [k for k, v in list(globals().items())
 def parse_flags(argv, cfg):
     """--name value and --name=value for every config global; types follow the default; bools parsed explicitly."""
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
-             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int}
+             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -280,7 +281,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             stats["clip"] += st["clip_tokens"]
             stats["tokens"] += st["tokens"]
             stats["kl"] += st["kl_sum"]
-            stats["dlogp"] += ((lp.detach() - slp).abs() * mask).sum().item()  # sampler vs trainer
+            stats["dlogp"] += ((old - slp).abs() * mask).sum().item()  # sampler vs trainer before this step's updates
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         stats["grad_norm"] = max(stats["grad_norm"], float(gn))
@@ -450,15 +451,17 @@ def main(argv):
                   for p in range(n_pol)]
         t2 = time.time()
         for p in range(n_pol):
-            engines[p].sync(models[p])
+            if cfg["sync"]:
+                engines[p].sync(models[p])
         t3 = time.time()
 
         # one dense line on rank 0, aggregated over ranks
-        local = dict(success=success, n=len(samples), resp_tok=sum(len(s.response_ids) for s in samples),
+        local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats), resp_tok=sum(len(s.response_ids) for s in samples),
                      fmt=sum(s.formatted for s in samples), rewards=by_agent_turn(samples), diag=diag)
         allr = gather(local, world)
         n_s = sum(x["n"] for x in allr)
         rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
+               "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
                "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr)}
         for r in roles:
             vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
