@@ -166,7 +166,7 @@ def _greedy_ours(model, prompt, n):
         for _ in range(n):
             nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
             ids.append(nxt)
-            if nxt in (256, 258):
+            if nxt in (256, 258) or nxt >= 261:  # stop tokens, or a padded vocab row (no token): the engines' rule
                 break
     return ids[len(prompt):]
 
@@ -180,7 +180,7 @@ def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
     for p, x, y in zip(_prompts(), a, b):
         out = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=[256, 258], pad_token_id=256)
         ref = out[0, len(p):].tolist()
-        ref = ref[:next((j + 1 for j, t in enumerate(ref) if t in (256, 258)), len(ref))]
+        ref = ref[:next((j + 1 for j, t in enumerate(ref) if t in (256, 258) or t >= 261), len(ref))]
         assert x[0].ids == y[0].ids == ref
         assert max(abs(u - v) for u, v in zip(x[0].logprobs, y[0].logprobs)) < 1e-4
 
@@ -935,8 +935,8 @@ mine = samples if world == 1 else (samples[:5] if rank == 0 else samples[5:])
 m = M.load_model(os.environ["TINY"])
 if world > 1:
     M.shard(m)
-opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
-cfg = {k: getattr(T, k) for k in T.config_keys}
+opt = torch.optim.SGD(m.parameters(), lr=1.0)  # w_after = w - clipped grad: compares gradients exactly (Adam's
+cfg = {k: getattr(T, k) for k in T.config_keys}    # first step ~ lr*sign(g) would amplify rounding noise near g = 0)
 cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3)  # small budget: several micro-batches
 st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
 loss = T.all_sum([st["loss"], st["tokens"]], world)
@@ -954,16 +954,16 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path):
          env_extra={**env, "OUTF": str(tmp_path / "two.pt")})
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["tokens"] == two["tokens"]
-    assert abs(one["loss"] - two["loss"]) < 1e-6 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-5
-    for k in one["state"]:
-        assert (one["state"][k] - two["state"][k]).abs().max() < 1e-5, k
+    assert abs(one["loss"] - two["loss"]) < 1e-6 and abs(one["grad_norm"] - two["grad_norm"]) < 1e-6 * one["grad_norm"] + 1e-6
+    for k in one["state"]:  # SGD lr 1: the weight difference is the clipped-gradient difference
+        assert (one["state"][k] - two["state"][k]).abs().max() < 1e-6, k
 
 
 def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path):
     out = tmp_path / "tr"
     _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535", "train.py", "--engine", "torch",
           "--steps", "3", "--envs_per_step", "6", "--K", "3", "--turns", "3", "--eval_every", "3", "--eval_n", "10",
-          "--ckpt_every", "3", "--warmup_steps", "0", "--out_dir", str(out)], timeout=900)
+          "--ckpt_every", "3", "--warmup_steps", "60", "--out_dir", str(out)], timeout=900)  # warm-up: episodes end at different turns
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     steps = [r for r in rec if "samples_per_rank" in r]
     assert len(steps) == 3 and "eval_success" in rec[-1]
@@ -980,8 +980,9 @@ def test_stale_engine_shows_in_dlogp(tmp_path):
     a = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl")]
     b = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl")]
     # fp32 sampler and trainer: synced |dlogp| stays < 1e-4 every step; a stale engine is far above it
-    assert all(r["dlogp_p0"] < 1e-4 for r in a)
-    assert b[0]["dlogp_p0"] < 1e-4 and all(r["dlogp_p0"] > 1e-3 for r in b[1:])
+    synced = max(r["dlogp_p0"] for r in a)
+    assert synced < 1e-4
+    assert b[0]["dlogp_p0"] < 1e-4 and all(r["dlogp_p0"] > 50 * synced for r in b[1:])  # seen: ~100-200x
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
@@ -1072,3 +1073,18 @@ def test_plot_from_metrics(tmp_path):
                                     "grad_norm_p0": 0.5}) + "\n")
     out = V.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "c.png"))
     assert os.path.getsize(out) > 10000
+
+
+def test_short_default_run_learns_and_eval_cli_agrees(tmp_path):
+    """30 steps of the real default path (vLLM engine, AT-GRPO, compact Plan-Path): held-out greedy success beats
+    the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation."""
+    out = tmp_path / "run"
+    _run([PY, "train.py", "--steps", "30", "--eval_every", "30", "--ckpt_every", "30", "--out_dir", str(out)], timeout=1200)
+    rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    before, after = rec[0]["eval_success"], rec[-1]["eval_success"]
+    print(f"held-out success: untrained {before:.2f} -> 30 steps {after:.2f}")
+    assert after >= before + 0.1
+    res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy0"), "--out", str(tmp_path / "ev")])
+    assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
+    base = V.main(["--task", "plan", "--model", str(tmp_path / "tiny-base-plan-s0"), "--engine", "torch"])
+    assert base["accuracy"] == pytest.approx(before, abs=0.03)  # torch sampler, same greedy policy

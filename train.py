@@ -251,10 +251,13 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     old_lp = {}
     if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
-            for j, chunk in enumerate(chunks):
-                for mb in micro_batches(chunk, cfg["micro_batch_tokens"]):
+            for chunk in chunks:
+                mbs = micro_batches(chunk, cfg["micro_batch_tokens"])
+                mbs += [[DUMMY]] * (all_max(len(mbs), world) - len(mbs))  # same number of FSDP forwards on every rank
+                for mb in mbs:
                     ids, mask, _, _ = collate(mb, device)
-                    lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                        lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
                     for x, row in zip(mb, lp):
                         old_lp[id(x)] = row
     for chunk in chunks:
