@@ -91,7 +91,7 @@ def bench_sandbox(n=64):
 
 def bench_gpu():
     assert torch.cuda.is_available(), "bench.py gpu needs CUDA"
-    from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
     # parity in bf16 on a small random config
     d = tempfile.mkdtemp()
     cfg = M.Qwen3Config(**{**M.SIZES["1.7B"], "num_hidden_layers": 4})

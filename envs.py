@@ -256,7 +256,7 @@ class GridGame:
         self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
         self.compact, self.turn, self.done, self.success = compact, 0, False, False
         self.tool_text, self.tool_out, self.tool_sim = None, None, None  # what the plan agent sees this turn
-        self.last_plan, self.format_ok = None, True
+        self.format_ok = True
 
     def clone(self):
         return copy.deepcopy(self)
@@ -285,7 +285,7 @@ class GridGame:
             self.tool_sim = ("solved" if solved else "not solved") + (f" ({note})" if note and not self.compact else "")
             return reward
         action = self.parse(text)
-        self.last_plan, self.format_ok = text, action is not None
+        self.format_ok = action is not None
         if action is None:
             return self.fail_reward
         reward, solved, _ = self.apply(action)

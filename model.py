@@ -16,7 +16,6 @@ CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache
 pure-torch sampler in rollout.py decodes with.
 """
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 

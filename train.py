@@ -21,7 +21,6 @@ What this script simplifies, and why:
     valid move strings, never solutions), and trains on a compact Plan-Path (4x4) through the same code path.
 """
 import json
-import math
 import os
 import random
 import shutil
