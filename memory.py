@@ -1,0 +1,161 @@
+"""
+Per-rank GPU memory of a training run, computed from the configuration alone, before anything is loaded.
+
+    python train.py --dry_run --model 8B --policies per_role --world 8 --gpu_gb 80     # prints the table, exit 0 if it fits
+
+A real GPU run calls the same `plan` first and refuses a configuration that cannot fit, naming the flag to change.
+Why a separate file: the arithmetic is one concept (what lives on the GPU in each phase of a step), it is long,
+and train.py should read as the training loop. The formulas are checked against memory measured on CPU for small
+random models in test_all.py (states exactly, activations within 20%), and against a real step on an H100 in the
+README.
+
+What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute, fp32 master weights):
+  rollout     FSDP2 states of every policy (fp32 params + grads + AdamW m, v = 16 N / W bytes) + the engine awake
+  train       states + the engine asleep + the update's working set: two decoder layers unsharded in bf16 (the one
+              running and the prefetched one), the embedding/head unit, their bf16/fp32 gradients, activations of one
+              micro-batch, one [chunk, vocab] block of logits, and the KL reference when --kl_coef > 0
+  sync        states + the engine's weights + one gathered tensor in flight (streamed, model.iter_hf_state)
+  checkpoint  states + the engine asleep + one gathered fp32 tensor (DCP shards + streamed HF export)
+plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (CONTEXT_GIB, an estimate).
+"""
+from dataclasses import dataclass
+
+GiB = 2 ** 30
+CONTEXT_GIB = 1.5          # CUDA context + cuBLAS workspace + NCCL buffers: outside torch's allocator (estimate)
+SLEEPING_ENGINE_GIB = 1.0  # vLLM after sleep(level=2): weights and KV freed; CUDA-graph pool etc. remain (estimate)
+ENGINE_PROFILE_GIB = 1.0   # vLLM's own activation/sampler reserve inside its budget, besides weights and KV
+HEADROOM = 0.95            # use at most this share of the GPU: allocator fragmentation
+
+
+@dataclass
+class Counts:
+    total: int     # parameters (tied embedding counted once)
+    layer: int     # one decoder layer
+    embed: int     # vocab x hidden
+    largest: int   # the largest single tensor (the embedding)
+
+
+def counts(cfg) -> Counts:
+    h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    layer = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * h * I + 2 * h + 2 * hd
+    embed = cfg.vocab_size * h
+    total = cfg.num_hidden_layers * layer + embed * (1 if cfg.tie_word_embeddings else 2) + h
+    return Counts(total, layer, embed, embed)
+
+
+def act_bytes_per_token_layer(cfg, b=2):
+    """Bytes saved for backward per token by one decoder layer without checkpointing, counted from model.py's ops
+    at b bytes per activation (bf16 under the FSDP2 policy; fp32 copies made by the norms are 4):
+      2 RMSNorms: fp32 copy of the input (4h) + the normalized input before the weight (b h)       -> 2 (4 + b) h
+      q/k norms: the same per head (4 + b), the normed output kept for RoPE (b), rotate_half (b),
+                 the rotated q/k kept by attention (b)                                                 -> (4 + 4b)(nh + nkv) hd
+      v (b nkv hd), attention output (b nh hd) + its reshaped copy for o_proj (b nh hd), logsumexp (4 nh)
+      SwiGLU: gate, silu(gate), up, their product (4 b I)"""
+    h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return (2 * (4 + b) * h + (4 + 4 * b) * (nh + nkv) * hd + b * nkv * hd + 2 * b * nh * hd + 4 * nh + 4 * b * I)
+
+
+def activation_bytes(cfg, tokens, checkpoint, b=2):
+    """Peak activation bytes of one micro-batch of `tokens` (padded) tokens in forward+backward."""
+    L, h = cfg.num_hidden_layers, cfg.hidden_size
+    layer = act_bytes_per_token_layer(cfg, b) * tokens
+    if checkpoint:  # each layer keeps only its input; backward recomputes one layer at a time
+        return L * b * h * tokens + layer + 2 * b * h * tokens  # + the incoming/outgoing gradient of the residual
+    return L * layer + 2 * b * h * tokens
+
+
+def logits_bytes(cfg, tokens, chunk):
+    """One [chunk, vocab] block in the head's backward recompute: bf16 logits, fp32 copy, /T, log_softmax (saved), and
+    its gradient chain (fp32), ~18 bytes per entry at peak; plus the head's saved input (b h per token)."""
+    return 18 * min(chunk, tokens) * cfg.vocab_size + 2 * cfg.hidden_size * tokens
+
+
+def kv_bytes_per_token(cfg, b=2):
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b
+
+
+def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
+         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024):
+    """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
+    `n_policies` trained models share one engine (per_role: rollout.PolicySwitch). `rows` is the torch engine's
+    batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
+    c = counts(cfg)
+    G = gpu_gb * GiB
+    states = n_policies * 16 * c.total / world
+    ref = n_policies * 4 * c.total / world if kl else 0
+    unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
+    unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
+    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint)
+    logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk)
+    if engine == "vllm":
+        awake = gpu_memory_utilization * G
+        weights_only = 2 * c.total
+        asleep = SLEEPING_ENGINE_GIB * GiB if sleep else awake
+        kv = awake - weights_only - ENGINE_PROFILE_GIB * GiB
+    else:  # model.py KV-cache sampler: bf16 weights + a static cache of rows x max_model_len; never sleeps
+        kv = rows * max_model_len * kv_bytes_per_token(cfg)
+        awake = 2 * c.total + kv + 4 * rows * cfg.vocab_size
+        weights_only = asleep = awake
+    ctx = CONTEXT_GIB * GiB
+    table = [
+        ("FSDP2 states: fp32 params+grads+AdamW, sharded (all policies)", dict(rollout=states, train=states, sync=states, checkpoint=states)),
+        ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=weights_only if sleep else awake, checkpoint=asleep)),
+        ("unsharded bf16 units in flight (2 layers + embed/head)", dict(train=unit_params)),
+        ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),
+        (f"activations, {micro_batch_tokens} tok, checkpointing {'on' if grad_checkpoint else 'off'}", dict(train=act)),
+        (f"logits chunk [{logits_chunk} x {cfg.vocab_size}] + head input", dict(train=logits)),
+        ("KL reference (sharded)", dict(rollout=ref, train=ref, sync=ref, checkpoint=ref)),
+        ("weight sync: one gathered bf16 tensor", dict(sync=2 * c.largest)),
+        ("checkpoint: one gathered fp32 tensor", dict(checkpoint=4 * c.largest)),
+        ("CUDA context, cuBLAS, NCCL (outside the allocator)", dict(rollout=ctx, train=ctx, sync=ctx, checkpoint=ctx)),
+    ]
+    phases = ["rollout", "train", "sync", "checkpoint"]
+    tot = {p: sum(d.get(p, 0) for _, d in table) for p in phases}
+    peak_phase = max(phases, key=lambda p: tot[p])
+    peak, limit = tot[peak_phase], HEADROOM * G
+    res = dict(rows=[(n, {p: v / GiB for p, v in d.items()}) for n, d in table], totals={p: v / GiB for p, v in tot.items()},
+               peak=peak / GiB, phase=peak_phase, limit=limit / GiB, fits=peak <= limit, kv_gib=kv / GiB,
+               kv_tokens=int(kv / kv_bytes_per_token(cfg)), fix=None, act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
+               act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB)
+    if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
+        res["fits"] = False
+        res["fix"] = (f"the engine's KV cache ({kv / GiB:.1f} GiB) cannot hold one {max_model_len}-token sequence: raise "
+                      f"--gpu_memory_utilization (now {gpu_memory_utilization}) or lower --max_model_len")
+    if not res["fits"] and res["fix"] is None:
+        res["fix"] = _fix(cfg, c, tot, peak_phase, limit, G, states, world, n_policies, micro_batch_tokens, grad_checkpoint,
+                          engine, gpu_memory_utilization)
+    return res
+
+
+def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u):
+    need_world = next((w for w in (2, 4, 8, 16, 32, 64, 128, 256) if n_policies * 16 * c.total / w < 0.5 * limit), None)
+    if states > 0.6 * limit:
+        return (f"the sharded training states alone take {states / GiB:.1f} GiB per rank: use more GPUs "
+                f"(torchrun --nproc_per_node / more nodes; about {need_world} ranks fit)"
+                + (", or --policies shared" if n_policies > 1 else ""))
+    if phase == "train":
+        if not ckpt:
+            return "turn on activation checkpointing: --grad_checkpoint true"
+        over = tot["train"] - limit
+        per_tok = (activation_bytes(cfg, mbt, ckpt) - activation_bytes(cfg, mbt // 2, ckpt)) / (mbt - mbt // 2)
+        smaller = int(max(1024, mbt - over / per_tok) // 1024 * 1024)
+        return f"lower --micro_batch_tokens (now {mbt}) to about {smaller}"
+    if engine == "vllm":
+        room = (limit - (tot["rollout"] - u * G)) / G
+        return f"lower --gpu_memory_utilization (now {u}) to at most {max(0.05, room):.2f}, or use more GPUs"
+    return "lower --envs_per_step or --K (the torch engine's cache grows with the batch), or use --engine vllm"
+
+
+def format_table(res, title):
+    phases = ["rollout", "train", "sync", "checkpoint"]
+    lines = [title, "", "| per rank, GiB | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for name, d in res["rows"]:
+        lines.append(f"| {name} | " + " | ".join(f"{d[p]:.1f}" if p in d and d[p] else "" for p in phases) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{res['totals'][p]:.1f}**" for p in phases) + " |")
+    lines += ["", f"activations per micro-batch: {res['act_no_ckpt']:.1f} GiB without checkpointing, {res['act_ckpt']:.1f} GiB with it",
+              f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens",
+              f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: " + ("fits" if res["fits"] else "DOES NOT FIT")]
+    if res["fix"]:
+        lines.append("fix: " + res["fix"])
+    return "\n".join(lines)
