@@ -210,7 +210,7 @@ class LMHead(nn.Linear):
                 out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
                 out.append(_chunk_logprobs(*args))
-        return torch.cat(out).view(B, T)
+        return torch.cat(out).view(B, T).clone()  # not a view: FSDP2 hooks the output of the root module
 
 
 class Qwen3(nn.Module):

@@ -81,8 +81,9 @@ class VLLMEngine(Engine):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cuda = torch.cuda.is_available()
         self.sleep_mode = self.cuda and sleep_mode
+        self.external = dist.is_initialized() and dist.get_world_size() > 1
         kw = {}
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.external:
             kw["distributed_executor_backend"] = "external_launcher"
         if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
             kw["enable_sleep_mode"] = True
@@ -152,8 +153,9 @@ class VLLMEngine(Engine):
         import gc
         self.llm = None
         gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        cleanup_dist_env_and_memory()  # vLLM's groups, then the default group (vLLM built on it under torchrun)
+        if self.external:  # under torchrun: vLLM's groups, then the default group vLLM built them on
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            cleanup_dist_env_and_memory()
 
 
 def _repack_tied_lm_head(worker):

