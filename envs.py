@@ -90,16 +90,19 @@ runpy.run_path("prog.py", run_name="__main__")
 '''
 
 
-def _limits(mem_mb, cpu_s, out_bytes):
-    def apply():
-        os.setsid()  # own process group: killed whole on timeout
-        resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (out_bytes, out_bytes))  # stdout/stderr are files: caps output
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.getuid() != 0:
-            resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
-    return apply
+_LIMITS = r'''
+import resource, os
+_mem, _cpu, _out = (int(x) for x in os.environ.pop("SANDBOX_LIMITS").split(","))
+resource.setrlimit(resource.RLIMIT_AS, (_mem << 20, _mem << 20))
+resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # stdout/stderr are files: caps output
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if os.getuid() != 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
+'''
+# The limits are set by the child itself, first thing, not by a preexec_fn: a preexec_fn forces fork() and runs Python
+# between fork and exec inside the trainer (many threads: CUDA, NCCL, vLLM), which can deadlock the child before exec,
+# and fork copies the page tables of a large parent (slow); without one, subprocess spawns with vfork/posix_spawn.
 
 
 def _kill_marked(marker):
@@ -124,14 +127,15 @@ def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20):
         with open(os.path.join(work, "prog.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
         with open(os.path.join(work, "_guard.py"), "w") as f:
-            f.write(_GUARD)
+            f.write(_LIMITS + _GUARD)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
-               "SANDBOX_RUN": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+               "SANDBOX_RUN": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8",
+               "SANDBOX_LIMITS": f"{mem_mb},{int(math.ceil(timeout)) + 1},{out_bytes}"}
         out_f, err_f = open(os.path.join(work, ".out"), "wb"), open(os.path.join(work, ".err"), "wb")
         timed_out = False
         try:
             p = subprocess.Popen([sys.executable, "-I", "_guard.py"], cwd=work, env=env, stdin=subprocess.PIPE,
-                                 stdout=out_f, stderr=err_f, preexec_fn=_limits(mem_mb, int(math.ceil(timeout)) + 1, out_bytes))
+                                 stdout=out_f, stderr=err_f, start_new_session=True)  # own group: killed whole on timeout
             try:
                 p.communicate(stdin.encode("utf-8", errors="replace"), timeout=timeout)
             except subprocess.TimeoutExpired:

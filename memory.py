@@ -15,7 +15,8 @@ What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute,
               running and the prefetched one), the embedding/head unit, their bf16/fp32 gradients, activations of one
               micro-batch, one [chunk, vocab] block of logits, and the KL reference when --kl_coef > 0
   sync        states + the engine's weights + one gathered tensor in flight (streamed, model.iter_hf_state)
-  checkpoint  states + the engine asleep + one gathered fp32 tensor (DCP shards + streamed HF export)
+  checkpoint  states + the engine asleep (level 1: weights parked on the host) + one gathered fp32 tensor (DCP
+              shards + a streamed HF export)
 plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (CONTEXT_GIB, an estimate).
 """
 from dataclasses import dataclass

@@ -135,10 +135,11 @@ class VLLMEngine(Engine):
     def sync(self, model):
         self.load(iter_hf_state(model, self.dtype))  # collective under FSDP2: every rank calls sync
 
-    def sleep(self):
-        """CUDA: free weights and KV cache for the update (level 2: the weights are re-synced anyway)."""
+    def sleep(self, level=2):
+        """CUDA: free the GPU memory of the weights and KV cache. Level 2 (before an update) discards the weights, which
+        the sync reloads anyway; level 1 (before a checkpoint) parks them in host memory, restored on wake."""
         if self.sleep_mode and not self.sleeping:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=level)
             self.sleeping = {"weights", "kv_cache"}
 
     def wake(self, tags=("weights", "kv_cache")):
@@ -238,7 +239,7 @@ class TorchEngine(Engine):
     def sync(self, model):
         self.load(iter_hf_state(model, self.model.lm_head.weight.dtype))  # streamed: one tensor at a time
 
-    def sleep(self):  # a fallback for machines without vLLM: it keeps its weights and cache
+    def sleep(self, level=2):  # a fallback for machines without vLLM: it keeps its weights and cache
         pass
 
     def close(self):
@@ -284,8 +285,8 @@ class _PolicyView:
     def sync(self, model):
         self.switch.store(self.p, model)
 
-    def sleep(self):
-        self.switch.engine.sleep()
+    def sleep(self, level=2):
+        self.switch.engine.sleep(level)
 
     def close(self):
         self.switch.engine.close()

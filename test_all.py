@@ -423,7 +423,16 @@ def test_memory_planner_formulas_vs_measured():
 
     def saved_bytes(c, T, ckpt):
         torch.manual_seed(0)
-        mm = M.Qwen3(c).to(torch.bfloat16)
+        torch.set_default_dtype(torch.bfloat16)  # bf16 storage, no init pass: only the shapes of what is saved matter
+        try:
+            with torch.device("meta"):
+                mm = M.Qwen3(c)
+            mm.to_empty(device="cpu")
+            mm.model.rotary.reset()
+            for p in mm.parameters():
+                p.data.normal_(0, 0.02)
+        finally:
+            torch.set_default_dtype(torch.float32)
         for layer in mm.model.layers:
             layer.checkpoint = ckpt
         params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
@@ -437,13 +446,13 @@ def test_memory_planner_formulas_vs_measured():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
         return sum(seen.values())
-    T = 128
+    T = 32
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
-        c1, c3 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 3))
+        c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
         for ckpt in (False, True):
-            per_layer = (saved_bytes(c3, T, ckpt) - saved_bytes(c1, T, ckpt)) / 2 / T
-            want = 2 * c3.hidden_size if ckpt else MM.act_bytes_per_token_layer(c3)
+            per_layer = (saved_bytes(c2, T, ckpt) - saved_bytes(c1, T, ckpt)) / T
+            want = 2 * c2.hidden_size if ckpt else MM.act_bytes_per_token_layer(c2)
             assert abs(per_layer - want) <= 0.2 * want, (size, ckpt, per_layer, want)
 
 

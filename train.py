@@ -590,7 +590,8 @@ def main(argv):
         kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"])
         mem = {"mem_rollout": cuda_peak_gib()}
 
-        engines[0].sleep()  # CUDA: the engine's weights and KV cache make room for the update
+        if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
+            engines[0].sleep()
         t1 = time.time()
         pstats = [update_policy(models[p], opts[p], [s for s in kept if s.policy == p], cfg, world, device, refs[p])
                   for p in range(n_pol)]
@@ -655,6 +656,7 @@ def main(argv):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
+            engines[0].sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
             save_checkpoint(out, last, models, opts, tok, rank, world, metrics_path, export_dtype)
         cuda_peak_gib()
         if out_of_time:
