@@ -162,7 +162,11 @@ def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20):
         shutil.rmtree(work, ignore_errors=True)
 
 
-_POOL = ThreadPoolExecutor(max_workers=16)
+# Programs run concurrently, as many at a time as the machine has cores (at least 4: many programs mostly wait). More
+# than that only slices the same cores thinner, and then a correct but CPU-heavy program (a reference solution taking
+# 3.5 s of CPU) runs past its wall-clock timeout: the reward would measure the load, not the program.
+SANDBOX_WORKERS = int(os.environ.get("SANDBOX_WORKERS", max(4, os.cpu_count() or 1)))
+_POOL = ThreadPoolExecutor(max_workers=SANDBOX_WORKERS)
 
 
 def run_many(jobs):
