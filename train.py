@@ -166,7 +166,7 @@ def setup_dist(timeout_min=60.0):
 
 def all_sum(x, world=None):
     """Elementwise sum of a list of floats over ranks (a tensor on DEVICE: NCCL rejects CPU tensors)."""
-    if not OWN_GROUP:
+    if not dist.is_initialized():
         return x
     t = torch.tensor(x, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t)
@@ -174,7 +174,7 @@ def all_sum(x, world=None):
 
 
 def all_max(x, world=None):
-    if not OWN_GROUP:
+    if not dist.is_initialized():
         return x
     t = torch.tensor(x, dtype=torch.long, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -183,7 +183,7 @@ def all_max(x, world=None):
 
 def gather(obj, world=None):
     """Every rank's object (all_gather_object pickles through a tensor on the current CUDA device under NCCL)."""
-    if not OWN_GROUP:
+    if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
