@@ -304,18 +304,25 @@ class DefaultScript:
         self._rows = None
 
     def rows(self):
-        if self._rows is None:  # the first 300 characters of every code/math question -> its row
+        if self._rows is None:  # the first 300 characters of every code/math question -> its rows
             import envs as E
             self._rows = {}
             for task in ("code", "math"):
                 for split in ("train", "test"):
                     for r in E.load_split(task, split):
-                        self._rows.setdefault(r["question"][:300], r)
+                        self._rows.setdefault(r["question"][:300], []).append(r)
         return self._rows
 
     def _row(self, text):
+        """The row this prompt is about. The same statement can be in two datasets (LiveCodeBench takes LeetCode
+        problems): the prompt's answer format (assert lines, io cases, stdin) says which kind of row it is."""
         i = text.find("Problem:\n")
-        return self.rows().get(text[i + 9:i + 309]) if i >= 0 else None
+        rows = [r for r in self.rows().get(text[i + 9:i + 309], []) if r["question"] in text] if i >= 0 else []
+        if "assert line" in text:
+            rows = [r for r in rows if r.get("test_type") == "code"] or rows
+        elif "**Test Input:**" in text or "reads stdin" in text:
+            rows = [r for r in rows if r.get("test_type") != "code"] or rows
+        return rows[0] if rows else None
 
     def __call__(self, text, rng):
         role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
@@ -361,8 +368,8 @@ def _script_solution(row):
                  for t in row["tests"]}
         return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
                 f"        return TABLE.get(json.dumps(list(args)))\n")
-    table = {t["input"]: t["output"] for t in row["tests"]}
-    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read(), ''))\n"
+    table = {t["input"].strip(): t["output"] for t in row["tests"]}
+    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read().strip(), ''))\n"
 
 
 def _script_wrong(row):

@@ -962,8 +962,8 @@ ESCAPES = {
     # a detached process through a spawn path the audit hook does not see (subprocess's own audit call neutralised),
     # with a clean environment (no run marker) and its own session (out of the killed process group)
     "detached": ("import subprocess, sys, types\n"
-                 "subprocess.sys = types.SimpleNamespace(**{k: getattr(sys, k) for k in dir(sys) if not k.startswith('__')},"
-                 " audit=lambda *a: None)\n"
+                 "subprocess.sys = types.SimpleNamespace(**{**{k: getattr(sys, k) for k in dir(sys) if not k.startswith('__')},"
+                 " 'audit': lambda *a: None})\n"
                  "subprocess._USE_POSIX_SPAWN = False\n"
                  "subprocess.Popen(['/bin/sleep', '31.337'], env={}, start_new_session=True)\nprint('spawned')\n"),
     # the task's own data, expected outputs included, by absolute path: a reward-hacking path RL finds
@@ -1322,8 +1322,8 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
         role = "tool" if "computes the answer" in text else "reasoner"
         n[role] += 1
         return (tool if role == "tool" else reason)[(n[role] - 1) % 4]
-    env = E.MathEnv(row)
-    samples = tree_rollout([env], _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    envs = [E.MathEnv(row)]
+    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
     got = {r: [s.reward for s in samples if s.role == r] for r in ("tool", "reasoner")}
     # reasoner: local 0.2 boxed + 0.8 correct; team = reasoner correct (the tool's provisional best, print(5), applied first)
     assert got["reasoner"] == pytest.approx([2.0, 0.2, 0.0, 2.0])
@@ -1331,7 +1331,7 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
     assert got["tool"] == pytest.approx([2.0, 1.2, 1.0, 1.0])
     kept, diag = compute_advantages(samples, "at_grpo")
     assert diag["groups"] == 2 and diag["group_size"] == 4
-    assert env.done and env.success  # both winners (print(5), \boxed{5}) agree
+    assert envs[0].done and envs[0].success  # both winners (print(5), \boxed{5}) agree
 
 
 def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
