@@ -6,6 +6,7 @@ is a median over repeats, reported as a ratio against a reference measured in th
     python bench.py sampler    # tokens/s: the pure-torch sampler vs vLLM on the tiny model
     python bench.py sandbox    # sandbox executions/s: a trivial program and a typical CodeContests test, with and without bubblewrap
     python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
+    python bench.py train      # the CPU default's update: packed rows (prompt once per sibling group) vs one row per sample
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, and fwd+bwd throughput/MFU of Qwen3-1.7B at 4096
 """
 import json
@@ -130,6 +131,53 @@ def bench_env():
                       f"tool timeout 5 s, test timeout 6 s, {os.cpu_count()} cores", **out}))
 
 
+def bench_train(n_rollouts=3, repeats=5):
+    """Trained tokens and update seconds per step on the CPU default's real rollouts (the tiny base model, compact
+    Plan-Path, 16 envs, K = 4, T = 4, the default's 4 PPO mini-batches), packed vs one row per sample. The same
+    rollouts and starting weights for both, interleaved, medians."""
+    import copy
+    import random
+    import envs as E
+    import train as T
+    from grpo_mas import compute_advantages
+    from rollout import Agents, make_engine, tree_rollout
+    from transformers import AutoTokenizer
+    cfg = {k: getattr(T, k) for k in T.config_keys}
+    cfg.update({k: v for k, v in T.DEFAULTS["tiny"].items()})
+    base = os.path.join("runs", "tiny-base-plan-s0")
+    T.build_tiny_base(base, "plan", cfg)  # cached: the same base every default run starts from
+    tok = AutoTokenizer.from_pretrained(base)
+    agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])], {"tool": 0, "plan": 0},
+                    cfg["max_prompt_tokens"])
+    rollouts = []
+    for r in range(n_rollouts):
+        rng = random.Random(f"bench-{r}")
+        envs = [E.train_env("plan", rng, "mas", True) for _ in range(cfg["envs_per_step"])]
+        agents.seed_base = r
+        samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], dict(temperature=1.0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"]),
+                               1.0, "greedy", rng)
+        rollouts.append(compute_advantages(samples, "at_grpo")[0])
+    model0 = M.load_model(base)
+    res = {True: [], False: []}
+    toks = {}
+    for _ in range(repeats):
+        for pack in (False, True):
+            for samples in rollouts:
+                m = copy.deepcopy(model0)
+                opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
+                t0 = time.perf_counter()
+                st = T.update_policy(m, opt, samples, {**cfg, "pack": pack}, 1, torch.device("cpu"))
+                res[pack].append(time.perf_counter() - t0)
+                toks.setdefault(pack, []).append(st["trained_tokens"])
+    print(json.dumps({"bench": f"update of the CPU default on {n_rollouts} real rollouts (tiny base, compact Plan-Path, 16 envs, "
+                      f"K=4, T=4, 4 mini-batches), {repeats} interleaved repeats, medians",
+                      "samples_per_step": statistics.median(len(s) for s in rollouts),
+                      "response_tokens_per_step": statistics.median(sum(len(x.response_ids) for x in s) for s in rollouts),
+                      "trained_tokens_unpacked": statistics.median(toks[False]), "trained_tokens_packed": statistics.median(toks[True]),
+                      "update_s_unpacked": statistics.median(res[False]), "update_s_packed": statistics.median(res[True]),
+                      "packed_over_unpacked": statistics.median(res[True]) / statistics.median(res[False])}))
+
+
 def bench_gpu():
     """CUDA only. (1) bf16 parity of our Qwen3 vs transformers on a 4-layer 1.7B-shaped random model; (2) fwd+bwd+AdamW
     throughput and MFU of the full Qwen3-1.7B shape at sequence length 4096 through the training path (FSDP2 with the
@@ -199,4 +247,5 @@ if __name__ == "__main__":
     if which == "env_one":
         bench_env_one(sys.argv[2])
     else:
-        {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env, "gpu": bench_gpu}[which]()
+        {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env, "train": bench_train,
+         "gpu": bench_gpu}[which]()

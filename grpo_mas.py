@@ -90,14 +90,15 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
              sampler_logp=None, tis_cap=0.0):
     """Token-level PPO-clip with dual clip, summed and divided by `n_tokens` (the response-token count of the
     whole optimizer step across all ranks), so the gradient does not depend on how samples are split into
-    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp/sampler_logp [B, T], adv [B]. Returns (loss, stats).
+    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp/sampler_logp [B, T], adv [B] (one per row) or [B, T]
+    (one per token: a packed row holds several samples). Returns (loss, stats).
 
     Truncated importance sampling (`tis_cap` C > 0): the tokens were sampled by the engine (bf16 vLLM on GPU), not by
     the trainer's pi_old, so each token's PPO term is weighted by min(exp(old_logp - sampler_logp), C), a constant
     (no gradient). On GPU the two differ by ~1e-2 nats per token (bf16 kernels); on the fp32 CPU path the weight is
     1 to ~1e-7. As trl (`vllm_importance_sampling_correction`, cap 2 by default), OpenRLHF (`enable_vllm_is_correction`)
     and verl (TIS, verl#2953) do."""
-    adv = adv[:, None]
+    adv = adv if adv.dim() == 2 else adv[:, None]
     ratio = torch.exp(logp - old_logp)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)

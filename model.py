@@ -240,11 +240,15 @@ class Qwen3(nn.Module):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start)
         return self.model.norm(x)
 
-    def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024):
-        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T]
-        (see LMHead). Going through module calls (never reaching into a weight from outside) matters: FSDP2
-        unshards a unit's weights in that unit's forward hooks."""
+    def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024,
+                select=None):
+        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T] (see
+        LMHead). `select` [B, N]: score only the hidden states at these positions (targets then [B, N]): the positions
+        that predict response tokens, so prompt positions never reach the 151936-wide head. Going through module calls
+        (never reaching into a weight from outside) matters: FSDP2 unshards a unit's weights in its forward hooks."""
         h = self.hidden(input_ids, position_ids, mask, cache, start)
+        if select is not None:
+            h = h.gather(1, select[..., None].expand(-1, -1, h.shape[-1]))
         return self.lm_head(h, targets, temperature, chunk)
 
     def new_cache(self, batch, length, dtype=None, device=None):

@@ -30,6 +30,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,7 @@ world = 0                  # --dry_run: ranks to plan for (0 = this launch's WOR
 gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
 nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
 sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
+pack = True                # train samples that share a prompt in one row, the prompt once (Row); false: one row per sample
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
@@ -248,40 +250,107 @@ def build_tiny_base(path, task, cfg):
 # the update of one policy
 
 
-def micro_batches(items, budget):
-    """Greedy packing of (seq, n_prompt, adv, sampler_lp) by padded token count, longest first."""
-    items = sorted(items, key=lambda x: -len(x[0]))
+@dataclass
+class Row:
+    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed (`--pack`): samples
+    that share a prompt (AT-GRPO's K siblings share it by construction) in one row: the prompt once, then each response
+    in its own segment, which sees the prompt and itself only, with positions that continue from the prompt's end, so
+    every response token has exactly the context it was sampled with and the prompt is trained once, not K times.
+    `sel` are the positions whose next-token distribution scores each target (the prompt's last position for every
+    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob)."""
+    ids: list
+    pos: list
+    seg: list  # 0: prompt; k + 1: response k (its last token is a target only, never an input)
+    sel: list
+    tgt: list
+    adv: list
+    slp: list
+
+
+def make_rows(samples, pack):
+    groups = {}
+    for s in samples:
+        if s.response_ids:
+            groups.setdefault(tuple(s.prompt_ids) if pack else id(s), []).append(s)
+    rows = []
+    for g in groups.values():
+        p = len(g[0].prompt_ids)
+        r = Row(list(g[0].prompt_ids), list(range(p)), [0] * p, [], [], [], [])
+        for k, s in enumerate(g):
+            n, start = len(s.response_ids), len(r.ids)
+            r.ids += s.response_ids[:-1]
+            r.pos += range(p, p + n - 1)
+            r.seg += [k + 1] * (n - 1)
+            r.sel += [p - 1] + list(range(start, start + n - 1))
+            r.tgt += s.response_ids
+            r.adv += [s.adv] * n
+            r.slp += s.sampler_logprobs
+        rows.append(r)
+    return rows
+
+
+def micro_batches(rows, budget):
+    """Greedy packing of rows by padded token count, longest first."""
+    rows = sorted(rows, key=lambda r: -len(r.ids))
     out, cur = [], []
-    for it in items:
-        if cur and (len(cur) + 1) * len(cur[0][0]) > budget:
+    for r in rows:
+        if cur and (len(cur) + 1) * len(cur[0].ids) > budget:
             out.append(cur)
             cur = []
-        cur.append(it)
+        cur.append(r)
     return out + ([cur] if cur else [])
 
 
 def collate(mb, device):
-    T = max(len(x[0]) for x in mb)
-    ids = torch.zeros(len(mb), T, dtype=torch.long)
-    mask = torch.zeros(len(mb), T - 1)
-    slp = torch.zeros(len(mb), T - 1)
-    for i, (seq, n_p, _, lps) in enumerate(mb):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, n_p - 1:len(seq) - 1] = 1  # positions that predict response tokens
-        slp[i, n_p - 1:len(seq) - 1] = torch.tensor(lps, dtype=torch.float32)
-    adv = torch.tensor([x[2] for x in mb], dtype=torch.float32)
-    return ids.to(device), mask.to(device), slp.to(device), adv.to(device)
+    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed; then
+    a [B, 1, T, T] boolean block mask: causal, and a key is visible if it is in the prompt or in the query's own
+    segment (a pad query sees the pads before it, so no row of the mask is empty). Dense is fine at the CPU default's
+    ~100-token rows; at the paper's lengths (~1k prompt + K x 2k) it is 81 MB per row of booleans (a note for GPUs:
+    flex attention takes the block structure without materialising it)."""
+    B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
+    ids, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    sel, tgt = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
+    w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
+    for b, r in enumerate(mb):
+        ids[b, :len(r.ids)], pos[b, :len(r.ids)], seg[b, :len(r.ids)] = torch.tensor(r.ids), torch.tensor(r.pos), torch.tensor(r.seg)
+        n = len(r.tgt)
+        sel[b, :n], tgt[b, :n], w[b, :n] = torch.tensor(r.sel), torch.tensor(r.tgt), 1.0
+        adv[b, :n], slp[b, :n] = torch.tensor(r.adv, dtype=torch.float32), torch.tensor(r.slp, dtype=torch.float32)
+    attn = None
+    if any(max(r.seg) > 1 for r in mb):
+        i = torch.arange(T)
+        sq, sk = seg[:, :, None], seg[:, None, :]
+        attn = ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
+    dev = [x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp)]
+    return Batch(*dev[:3], attn, *dev[3:])
 
 
-DUMMY = ([0, 0], 1, 0.0, [0.0])  # a zero-weight micro-batch: keeps every rank's FSDP collectives in step
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    pos: torch.Tensor
+    sel: torch.Tensor
+    attn: object  # None or [B, 1, T, T] bool
+    tgt: torch.Tensor
+    w: torch.Tensor    # 1 for a real target, 0 for padding
+    adv: torch.Tensor
+    slp: torch.Tensor
+
+
+DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row: keeps every rank's FSDP collectives in step
+
+
+def row_logprobs(model, b, cfg):
+    return model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn, select=b.sel)
 
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
     """PPO-clip on this rank's samples of one policy. Token-mean over the whole optimizer step across ranks."""
-    items = [(s.prompt_ids + s.response_ids, len(s.prompt_ids), s.adv, s.sampler_logprobs) for s in samples if s.response_ids]
+    rows = make_rows(samples, cfg["pack"])
     n_mini = cfg["minibatches"]
-    chunks = [items[i::n_mini] for i in range(n_mini)]
-    stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0)
+    chunks = [rows[i::n_mini] for i in range(n_mini)]
+    stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0, rows=len(rows),
+                 trained_tokens=float(sum(len(r.ids) for r in rows)))
     old_lp = {}
     if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
@@ -289,35 +358,38 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
                 mbs = micro_batches(chunk, cfg["micro_batch_tokens"])
                 mbs += [[DUMMY]] * (all_max(len(mbs), world) - len(mbs))  # same number of FSDP forwards on every rank
                 for mb in mbs:  # no autocast: on GPU the FSDP2 policy computes in bf16 (model.shard)
-                    ids, mask, _, _ = collate(mb, device)
-                    lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
-                    for x, row in zip(mb, lp):
-                        old_lp[id(x)] = row
+                    lp = row_logprobs(model, collate(mb, device), cfg)
+                    for r, lr in zip(mb, lp):
+                        old_lp[id(r)] = lr[:len(r.tgt)]
     for chunk in chunks:
-        n_tok = all_sum([float(sum(len(x[0]) - x[1] for x in chunk))], world)[0]
+        n_tok = all_sum([float(sum(len(r.tgt) for r in chunk))], world)[0]
         if n_tok == 0:
             continue
         mbs = micro_batches(chunk, cfg["micro_batch_tokens"])
         n_mb = all_max(len(mbs), world)
         mbs += [[DUMMY]] * (n_mb - len(mbs))
         for mb in mbs:
-            ids, mask, slp, adv = collate(mb, device)
+            b = collate(mb, device)
             if mb[0] is DUMMY:
-                mask.zero_()
-            lp = model(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
-            old = torch.stack([old_lp[id(x)][:lp.shape[1]] for x in mb]) if old_lp and mb[0] is not DUMMY else lp.detach()
+                b.w.zero_()
+            lp = row_logprobs(model, b, cfg)
+            old = lp.detach()
+            if old_lp and mb[0] is not DUMMY:
+                old = torch.zeros_like(lp)
+                for j, r in enumerate(mb):
+                    old[j, :len(r.tgt)] = old_lp[id(r)]
             ref_lp = None
             if ref is not None:
                 with torch.no_grad():
-                    ref_lp = ref(ids[:, :-1], targets=ids[:, 1:], temperature=cfg["temperature"])
-            loss, st = ppo_loss(lp, old, adv, mask, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp, cfg["kl_coef"],
-                                sampler_logp=slp, tis_cap=cfg["tis_cap"])
+                    ref_lp = row_logprobs(ref, b, cfg)
+            loss, st = ppo_loss(lp, old, b.adv, b.w, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp,
+                                cfg["kl_coef"], sampler_logp=b.slp, tis_cap=cfg["tis_cap"])
             (loss * world).backward()  # FSDP averages gradients over ranks; the token-mean already spans all ranks
             stats["loss"] += loss.item()
             stats["clip"] += st["clip_tokens"]
             stats["tokens"] += st["tokens"]
             stats["kl"] += st["kl_sum"]
-            stats["dlogp"] += ((old - slp).abs() * mask).sum().item()  # sampler vs trainer before this step's updates
+            stats["dlogp"] += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer before this step's updates
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         stats["grad_norm"] = max(stats["grad_norm"], float(gn))
@@ -620,7 +692,8 @@ def main(argv):
         for k in ("zero_var_frac", "group_size"):
             rec[k] = sum(x["diag"][k] for x in allr) / world
         for p, st in enumerate(pstats):
-            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"]], world)
+            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"], st["trained_tokens"]], world)
+            rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
             rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
             rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
             # stale-sync alarm, relative: bf16 vLLM vs the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a jump
