@@ -76,11 +76,8 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one log line per step is ours to print
-        import logging
         import torch.distributed as dist
         from vllm import LLM
-        # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": expected, not news
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.cuda = torch.cuda.is_available()
         self.sleep_mode = self.cuda and sleep_mode
         self.external = dist.is_initialized() and dist.get_world_size() > 1
@@ -130,6 +127,9 @@ class VLLMEngine(Engine):
         and setup.sh pins the CUDA build to the same vLLM version, so CI proves the API GPU users get. (Never call
         reload_weights without an iterator: it re-reads the checkpoint from disk and silently undoes training.)"""
         self.wake(("weights",))  # level-2 sleep discarded the weights: all of them are loaded below
+        import logging  # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news.
+        # Set here, not at start-up: vLLM imports that module (and sets its level) at the first reload.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
         self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

@@ -86,7 +86,7 @@ world = 0                  # --dry_run: ranks to plan for (0 = this launch's WOR
 gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
 nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
 sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
-pack = True                # train samples that share a prompt in one row, the prompt once (Row); false: one row per sample
+pack = False               # true: samples sharing a prompt (tree siblings) train as one row, the prompt once (Row); see README
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
