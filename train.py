@@ -77,7 +77,7 @@ ckpt_every = None          # checkpoint every N steps
 resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
 warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
-grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 1.7B needs ~90 GiB/rank)
+grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
 tis_cap = None             # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
 gpu_memory_utilization = None  # vLLM's share of each GPU while awake (sleeps during the update on CUDA)
