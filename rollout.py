@@ -15,6 +15,7 @@ Engines (one small interface, used by training and evaluation):
 
 The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines and evaluation) is below.
 """
+import json
 import math
 import os
 import time
@@ -51,6 +52,13 @@ def _request_seed(seed, i):
 class Engine:
     max_len: int
     n_tokens: int  # ids >= this are padded embedding rows no tokenizer entry maps to
+    dtype = None   # the dtype weights are pushed in (None: as the trainer holds them)
+
+    def sleep(self, level=2):  # only vLLM on CUDA frees memory; the others keep their weights
+        pass
+
+    def close(self):
+        pass
 
     def _check(self, prompts, max_new_tokens):
         for i, p in enumerate(prompts):
@@ -176,6 +184,7 @@ class TorchEngine(Engine):
     def __init__(self, model_dir, seed=0, max_len=2048, dtype=torch.float32, device=None):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
+        self.dtype = dtype
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -239,10 +248,7 @@ class TorchEngine(Engine):
                 own[k].copy_(v)
 
     def sync(self, model):
-        self.load(iter_hf_state(model, self.model.lm_head.weight.dtype))  # streamed: one tensor at a time
-
-    def sleep(self, level=2):  # a fallback for machines without vLLM: it keeps its weights and cache
-        pass
+        self.load(iter_hf_state(model, self.dtype))  # streamed: one tensor at a time
 
     def close(self):
         self.model = None
@@ -282,12 +288,6 @@ class ScriptedEngine(Engine):
 
     def sync(self, model):
         self.load(iter_hf_state(model))
-
-    def sleep(self, level=2):
-        pass
-
-    def close(self):
-        pass
 
 
 class DefaultScript:
@@ -337,7 +337,7 @@ class DefaultScript:
         row = self._row(text)
         if role == "game":
             moves = [rng.choice("UDLR") for _ in range(rng.randint(1, 6))]
-            return f"```python\nprint({moves!r})\n```" if "tool agent" in text else f"#### {json_dumps(moves)}"
+            return f"```python\nprint({moves!r})\n```" if "tool agent" in text else f"#### {json.dumps(moves)}"
         if row is None:
             return "I do not know."
         if role == "reasoner":
@@ -352,18 +352,12 @@ class DefaultScript:
         return "```python\n" + (_script_wrong(row) if wrong else _script_solution(row)) + "\n```"
 
 
-def json_dumps(x):
-    import json
-    return json.dumps(x)
-
-
 def _script_solution(row):
     import envs as E
     ref = E.reference_solution(row)
     if ref:
         return ref
     if row["test_type"] == "functional":  # a table from the arguments to the expected value, in the starter's method
-        import json
         table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
                  for t in row["tests"]}
         return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
@@ -405,8 +399,7 @@ class PolicySwitch:
         self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
 
     def store(self, p, model):
-        dtype = getattr(self.engine, "dtype", None) or self.engine.model.lm_head.weight.dtype
-        self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, dtype)]
+        self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, self.engine.dtype)]
         if p == self.loaded:
             self.engine.load(self.host[p])
 
