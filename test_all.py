@@ -1440,6 +1440,18 @@ def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
     assert {s.turn for s in samples} == {0}
 
 
+def test_policy_switch_over_the_scripted_engine(tiny_dir):
+    """per_role with any engine: storing a policy's weights asks the engine only for its push dtype (this crashed with
+    the scripted engine, which holds no model)."""
+    from rollout import PolicySwitch, ScriptedEngine
+    sw = PolicySwitch(ScriptedEngine(tiny_dir, script=lambda text, rng: "ok"), 2)
+    m = M.load_model(tiny_dir)
+    for p in (0, 1):
+        sw.view(p).sync(m)
+    assert torch.equal(dict(sw.host[1])["model.norm.weight"], m.model.norm.weight)
+    assert len(sw.view(1).generate([[257, 65]], n=2, max_new_tokens=4)[0]) == 2
+
+
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
     import train as T
     for task in ("math", "code"):
