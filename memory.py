@@ -15,6 +15,7 @@ What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute,
               running and the prefetched one), the embedding/head unit, their bf16/fp32 gradients, activations of one
               micro-batch, one [chunk, vocab] block of logits, and the KL reference when --kl_coef > 0
   sync        states + the engine's weights + one gathered tensor in flight (streamed, model.iter_hf_state)
+              (--pack: packed rows add only a flex BlockMask of block indices; tokens are counted as packed)
   checkpoint  states + the engine asleep (level 1: weights parked on the host) + one gathered fp32 tensor (DCP
               shards + a streamed HF export)
 plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (CONTEXT_GIB, an estimate).
@@ -72,12 +73,20 @@ def logits_bytes(cfg, tokens, chunk):
     return 18 * min(chunk, tokens) * cfg.vocab_size + 2 * cfg.hidden_size * tokens
 
 
+def block_mask_bytes(tokens, block=128):
+    """A flex-attention BlockMask for packed rows (--pack), worst case one row of `tokens`: int32 block counts and
+    block indices for partial and full blocks, in both the KV and the Q orientation (4 x nb^2 + 4 x nb entries).
+    A dense bool mask would be tokens^2 bytes (256 MiB at 16k); the trainer never builds one on CUDA."""
+    nb = -(-tokens // block)
+    return 4 * (4 * nb * nb + 4 * nb)
+
+
 def kv_bytes_per_token(cfg, b=2):
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b
 
 
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
-         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024):
+         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: rollout.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
@@ -106,6 +115,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
         ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),
         (f"activations, {micro_batch_tokens} tok, checkpointing {'on' if grad_checkpoint else 'off'}", dict(train=act)),
         (f"logits chunk [{logits_chunk} x {cfg.vocab_size}] + head input", dict(train=logits)),
+        ("packed rows: flex block mask (--pack)", dict(train=block_mask_bytes(micro_batch_tokens) if pack else 0)),
         ("KL reference (sharded)", dict(rollout=ref, train=ref, sync=ref, checkpoint=ref)),
         ("weight sync: one gathered bf16 tensor", dict(sync=2 * c.largest)),
         ("checkpoint: one gathered fp32 tensor", dict(checkpoint=4 * c.largest)),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # -----------------------------------------------------------------------------
 # config
@@ -148,9 +149,24 @@ class Attention(nn.Module):
         gqa = self.nh != self.nkv
         if mask is None:  # right-padded training batch: causal alone is right, pads only follow real tokens
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, BlockMask):  # packed rows on CUDA (train.collate): the block structure, no dense T x T mask
+            y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+_FLEX = {}
+
+
+def flex(q, k, v, **kw):
+    """flex attention, compiled once per device type: on CUDA the compiled kernel skips the masked-out blocks of a
+    packed row (the siblings' blocks) and never builds a dense mask; eager flex is a slow reference and has no
+    backward on CPU, so the CPU path trains with SDPA and a dense mask and tests use this forward only.
+    (torchtitan `torchtitan/models/attention.py` also compiles flex_attention once and reuses it for every layer.)"""
+    if q.device.type not in _FLEX:
+        _FLEX[q.device.type] = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
+    return _FLEX[q.device.type](q, k, v, **kw)
 
 
 class MLP(nn.Module):

@@ -1331,14 +1331,65 @@ def test_packed_rows_equal_per_sample_rows(seed):
     assert (lp0[lo + 1:lo + sizes[k - 1]] - lp1[lo + 1:lo + sizes[k - 1]]).abs().max().item() > 1e-4  # this one: moved
 
 
-def test_packed_update_equals_per_sample_update(tiny_dir):
+def _packed_flex_vs_dense(device, grad):
+    """Per-token log-probs (and, with grad, every gradient) of packed rows: flex BlockMask vs dense SDPA mask."""
     import train as T
-    samples = _sibling_groups(5, n_groups=4)
+    torch.manual_seed(3)
+    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    m = M.Qwen3(mc).to(device)
+    m.init_weights(0.05)
+    rows = T.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True)
+    out = []
+    for flex in (False, True):
+        b = T.collate(rows, torch.device(device), flex=flex)
+        assert (type(b.attn).__name__ == "BlockMask") == flex
+        m.zero_grad()
+        with torch.set_grad_enabled(grad):
+            lp = T.row_logprobs(m, b, {"temperature": 1.0})
+            if grad:
+                (lp * b.w * b.adv).sum().backward()
+        out.append((lp.detach() * b.w, [p.grad.clone() for p in m.parameters()] if grad else []))
+    (a, ga), (f, gf) = out
+    assert (a - f).abs().max().item() <= 1e-5
+    for x, y in zip(ga, gf):
+        assert (x - y).abs().max().item() <= 1e-5
+
+
+def test_packed_flex_mask_equals_dense_mask_cpu_forward():
+    """The CUDA path's flex-attention block mask admits exactly what the dense mask does: eager flex forward on CPU
+    (it has no CPU backward) gives the dense path's log-probs for packed rows."""
+    _packed_flex_vs_dense("cpu", grad=False)
+    # the planner's block-mask bytes are what a real BlockMask holds (one 1000-token row, 4 segments) and the plan
+    # carries them only with --pack
+    import memory
+    import train as T
+    seg = torch.tensor([[0] * 300 + [1] * 200 + [2] * 250 + [3] * 250])
+    bm = T.packed_mask(seg, "cpu", True)
+    assert sum(t.numel() * t.element_size() for t in bm.as_tuple() if isinstance(t, torch.Tensor)) == memory.block_mask_bytes(1000)
+    kw = dict(world=8, gpu_gb=80, n_policies=1, micro_batch_tokens=16384, grad_checkpoint=True)
+    cfg = M.Qwen3Config(**M.SIZES["1.7B"])
+    row = "packed rows: flex block mask (--pack)"
+    on, off = dict(memory.plan(cfg, pack=True, **kw)["rows"])[row], dict(memory.plan(cfg, **kw)["rows"])[row]
+    assert on["train"] * 2 ** 30 == memory.block_mask_bytes(16384) and off["train"] == 0
+
+
+@needs_cuda
+def test_packed_flex_mask_equals_dense_mask_cuda():
+    """On CUDA: compiled flex attention, log-probs and gradients equal SDPA with the dense mask (fp32)."""
+    _packed_flex_vs_dense("cuda", grad=True)
+
+
+@pytest.mark.parametrize("n_mini", [1, 3])
+def test_packed_update_equals_per_sample_update(tiny_dir, n_mini):
+    """A whole update_policy (with 3 mini-batches: three optimizer steps and a recomputed pi_old) lands on the same
+    weights packed or not: the mini-batch split keeps sibling groups together in both layouts."""
+    import train as T
+    samples = _sibling_groups(5, n_groups=7)
     out = []
     for pack in (False, True):
         m = M.load_model(tiny_dir)
         cfg = {k: getattr(T, k) for k in T.config_keys}
-        cfg.update(minibatches=1, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0)
+        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0)
         st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, cfg, 1, torch.device("cpu"))
         out.append((st, dict(m.named_parameters())))
     (a, wa), (b, wb) = out

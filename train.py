@@ -289,6 +289,20 @@ def make_rows(samples, pack):
     return rows
 
 
+def split_minibatches(samples, n_mini):
+    """The samples of each optimizer step. A group of samples that share a prompt (AT-GRPO's K siblings) stays in one
+    mini-batch, groups dealt round-robin, so `--pack` changes how a step is computed, never which samples it sees.
+    verl does the same in effect: its rollouts repeat each prompt's n responses contiguously (`repeat(interleave=True)`)
+    and mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`, `update_policy`)."""
+    groups = {}
+    for s in samples:
+        groups.setdefault(tuple(s.prompt_ids), []).append(s)
+    chunks = [[] for _ in range(n_mini)]
+    for i, g in enumerate(groups.values()):
+        chunks[i % n_mini] += g
+    return chunks
+
+
 def micro_batches(rows, budget):
     """Greedy packing of rows by padded token count, longest first."""
     rows = sorted(rows, key=lambda r: -len(r.ids))
@@ -301,12 +315,9 @@ def micro_batches(rows, budget):
     return out + ([cur] if cur else [])
 
 
-def collate(mb, device):
-    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed; then
-    a [B, 1, T, T] boolean block mask: causal, and a key is visible if it is in the prompt or in the query's own
-    segment (a pad query sees the pads before it, so no row of the mask is empty). Dense is fine at the CPU default's
-    ~100-token rows; at the paper's lengths (~1k prompt + K x 2k) it is 81 MB per row of booleans (a note for GPUs:
-    flex attention takes the block structure without materialising it)."""
+def collate(mb, device, flex=None):
+    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed
+    (`packed_mask`)."""
     B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
     ids, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     sel, tgt = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
@@ -318,11 +329,32 @@ def collate(mb, device):
         adv[b, :n], slp[b, :n] = torch.tensor(r.adv, dtype=torch.float32), torch.tensor(r.slp, dtype=torch.float32)
     attn = None
     if any(max(r.seg) > 1 for r in mb):
-        i = torch.arange(T)
-        sq, sk = seg[:, :, None], seg[:, None, :]
-        attn = ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
+        attn = packed_mask(seg, device, device.type == "cuda" if flex is None else flex)
     dev = [x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp)]
     return Batch(*dev[:3], attn, *dev[3:])
+
+
+def packed_mask(seg, device, flex):
+    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key is visible if it is
+    in the prompt or in the query's own segment (a pad query sees the pads before it, so no row is empty).
+    On CUDA a flex-attention BlockMask: it stores which 128x128 blocks are empty, full or partial, so at the paper's
+    lengths (~1k prompt + K x 2k) the kernel skips the siblings' blocks and no dense mask exists (a dense bool one
+    would be 81 MB per row). On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB
+    per row at the CPU default's ~100 tokens."""
+    T = seg.shape[1]
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+        sg = seg.to(device)
+
+        def visible(b, h, q, k):
+            return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
+        # eager create_block_mask evaluates `visible` on the dense B x T x T grid; compiled, it works block by block
+        # (torchtitan `torchtitan/models/attention.py` compiles it for the same reason). CPU tests run it eagerly.
+        make = torch.compile(create_block_mask) if torch.device(device).type == "cuda" else create_block_mask
+        return make(visible, seg.shape[0], None, T, T, device=device)
+    i = torch.arange(T)
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
 
 
 @dataclass
@@ -330,7 +362,7 @@ class Batch:
     ids: torch.Tensor
     pos: torch.Tensor
     sel: torch.Tensor
-    attn: object  # None or [B, 1, T, T] bool
+    attn: object  # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
     tgt: torch.Tensor
     w: torch.Tensor    # 1 for a real target, 0 for padding
     adv: torch.Tensor
@@ -346,9 +378,9 @@ def row_logprobs(model, b, cfg):
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
     """PPO-clip on this rank's samples of one policy. Token-mean over the whole optimizer step across ranks."""
-    rows = make_rows(samples, cfg["pack"])
     n_mini = cfg["minibatches"]
-    chunks = [rows[i::n_mini] for i in range(n_mini)]
+    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini)]
+    rows = [r for c in chunks for r in c]
     stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0, rows=len(rows),
                  trained_tokens=float(sum(len(r.ids) for r in rows)))
     old_lp = {}
@@ -483,7 +515,8 @@ def memory_plan(cfg, world, gpu_gb):
     return memory.plan(model_config(cfg), world=world, gpu_gb=gpu_gb, n_policies=n_pol,
                        micro_batch_tokens=cfg["micro_batch_tokens"], grad_checkpoint=cfg["grad_checkpoint"], engine=cfg["engine"],
                        gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
-                       rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0)
+                       rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
+                       pack=cfg["pack"])
 
 
 def print_memory_plan(cfg):
