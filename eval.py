@@ -1,7 +1,7 @@
 """
 Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7), or plot training curves.
 
-    python eval.py --task plan --model runs/default/ckpt/policy0            # MAS, greedy, one sample
+    python eval.py --task plan --model runs/default/ckpt/policy-tool+plan            # MAS, greedy, one sample
     python eval.py --task plan --model M --workflow single                   # the single-agent baseline
     python eval.py --task plan --policy tool=A --policy plan=B               # any checkpoint per role (role swaps)
     python eval.py --task math --model M --k 4 --temperature 0.6             # math default: avg@4 and pass@4

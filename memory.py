@@ -73,6 +73,13 @@ def logits_bytes(cfg, tokens, chunk):
     return 18 * min(chunk, tokens) * cfg.vocab_size + 2 * cfg.hidden_size * tokens
 
 
+def lora_count(cfg, r):
+    """Parameters of one LoRA adapter on every linear of every layer (model.LORA_TARGETS): r x (in + out) each."""
+    h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return cfg.num_hidden_layers * r * ((h + q) * 2 + (h + kv) * 2 + (h + I) * 3)
+
+
 def block_mask_bytes(tokens, block=128):
     """A flex-attention BlockMask for packed rows (--pack), worst case one row of `tokens`: int32 block counts and
     block indices for partial and full blocks, in both the KV and the Q orientation (4 x nb^2 + 4 x nb entries).
@@ -86,13 +93,15 @@ def kv_bytes_per_token(cfg, b=2):
 
 
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
-         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False):
+         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: rollout.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
     c = counts(cfg)
     G = gpu_gb * GiB
     states = n_policies * 16 * c.total / world
+    if lora_rank:  # --policies lora: one frozen fp32 base (no grads, no AdamW) + per policy an adapter's 16 B/param
+        states = (4 * c.total + n_policies * 16 * lora_count(cfg, lora_rank)) / world
     ref = n_policies * 4 * c.total / world if kl else 0
     unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
     unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
@@ -109,7 +118,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
         weights_only = asleep = awake
     ctx = CONTEXT_GIB * GiB
     table = [
-        ("FSDP2 states: fp32 params+grads+AdamW, sharded (all policies)", dict(rollout=states, train=states, sync=states, checkpoint=states)),
+        ("FSDP2 states: fp32 params+grads+AdamW, sharded (all policies; LoRA: frozen base + adapters)", dict(rollout=states, train=states, sync=states, checkpoint=states)),
         ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=weights_only if sleep else awake, checkpoint=asleep)),
         ("unsharded bf16 units in flight (2 layers + embed/head)", dict(train=unit_params)),
         ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),

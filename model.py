@@ -82,6 +82,9 @@ SIZES = {
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=256,
                  eos_token_id=258),
 }
+# a smaller tiny model with the same vocabulary (a second size for heterogeneous teams: --policy tool=tiny-small)
+SIZES["tiny-small"] = {**SIZES["tiny"], **dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                                               num_key_value_heads=1)}
 
 # -----------------------------------------------------------------------------
 # modules
@@ -329,9 +332,16 @@ def iter_hf_state(model, dtype=None):
     cast *before* the gather, so a bf16 sync moves and holds 2 bytes per element, never the fp32 full tensor. The
     caller owns each tensor only until it asks for the next one: this is what keeps weight sync and checkpoint
     export at one tensor (or one bucket) of extra memory instead of a whole model (verl `fsdp_workers.py`
-    `rollout_mode` streams a generator the same way)."""
+    `rollout_mode` streams a generator the same way). With LoRA adapters (`add_lora`) a targeted weight comes out
+    merged with the active adapter, and the adapters themselves are not yielded: what an engine or HF loads."""
+    lora = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, p in model.state_dict().items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if ".lora_" in name:
+            continue
+        if name.removesuffix(".weight") in lora:
+            yield name, lora[name.removesuffix(".weight")].merged_weight(dtype)
             continue
         p = p.detach()
         if dtype is not None:
@@ -436,6 +446,107 @@ def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id]}, f)
     return model
+
+
+# -----------------------------------------------------------------------------
+# LoRA: one frozen base, one low-rank adapter per policy, in HF PEFT's layout and file format
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a layer:
+# for RL the attention-only default of early LoRA papers trains worse than adapting the MLPs too ("LoRA Without
+# Regret", Thinking Machines 2025); PEFT calls this target_modules="all-linear"
+
+
+def _full(t):
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear (its `weight` keeps the HF name) plus one adapter per policy, named as PEFT names them:
+    `lora_A.<policy>.weight` [r, in] and `lora_B.<policy>.weight` [out, r]; B starts at zero, so every policy starts
+    as the base. `active` picks the adapter: y = x W^T + (alpha / r) (x A^T) B^T."""
+
+    def __init__(self, base: nn.Linear, names, r, alpha):
+        super().__init__(base.in_features, base.out_features, bias=False, device="meta")
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.ModuleDict({n: nn.Linear(base.in_features, r, **kw) for n in names})  # PEFT's init: kaiming-uniform A
+        self.lora_B = nn.ModuleDict({n: nn.Linear(r, base.out_features, **kw) for n in names})
+        for b in self.lora_B.values():
+            nn.init.zeros_(b.weight)
+        self.scale, self.active = alpha / r, names[0]
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_B[self.active](self.lora_A[self.active](x)) * self.scale
+
+    def merged_weight(self, dtype=None):
+        """W + scale B A of the active adapter, full (gathered under FSDP2), computed in fp32."""
+        w = _full(self.weight).float()
+        w = w + self.scale * (_full(self.lora_B[self.active].weight).float() @ _full(self.lora_A[self.active].weight).float())
+        return w.to(dtype or self.weight.dtype)
+
+
+def add_lora(model, names, r, alpha, targets=LORA_TARGETS, seed=0):
+    """In place, before sharding: freeze every weight, wrap each targeted linear of every layer in a LoRALinear with
+    one adapter per name. Parameter names of the base stay HF names."""
+    if r <= 0:
+        raise ValueError(f"LoRA rank must be >= 1, not {r} (--lora_rank)")
+    model.requires_grad_(False)
+    torch.manual_seed(seed)
+    for layer in model.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for t in targets:
+                if hasattr(block, t):
+                    setattr(block, t, LoRALinear(getattr(block, t), list(names), r, alpha))
+    model.lora = dict(r=r, alpha=alpha, targets=list(targets), names=list(names))
+    return model
+
+
+def set_adapter(model, name):
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.active = name
+
+
+def adapter_parameters(model, name):
+    return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]
+
+
+def save_adapter(model, name, path, base_path="", write=True):
+    """One policy's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads. Collective under FSDP2."""
+    from safetensors.torch import save_file
+    state = {}
+    for n, p in model.named_parameters():
+        for ab in ("lora_A", "lora_B"):
+            if f".{ab}.{name}." in n:  # PEFT drops the adapter name in files: ...q_proj.lora_A.weight
+                state["base_model.model." + n.replace(f".{ab}.{name}.", f".{ab}.")] = _full(p).float().contiguous()
+    if not write:
+        return
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    lc = model.lora
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc["r"], "lora_alpha": lc["alpha"],
+                   "target_modules": lc["targets"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                   "use_rslora": False, "inference_mode": True, "base_model_name_or_path": str(base_path)}, f, indent=2)
+
+
+def load_adapter(model, name, path):
+    """Read a PEFT adapter folder into the adapter `name` of a model that `add_lora` prepared (unsharded)."""
+    from safetensors.torch import load_file
+    state = load_file(os.path.join(path, "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    for k, v in state.items():
+        n = k.removeprefix("base_model.model.")
+        for ab in ("lora_A", "lora_B"):
+            n = n.replace(f".{ab}.weight", f".{ab}.{name}.weight")
+        if n not in params:
+            raise ValueError(f"adapter {path!r}: {k} does not match this model's LoRA layers")
+        with torch.no_grad():
+            params[n].copy_(v)
 
 
 # -----------------------------------------------------------------------------

@@ -261,6 +261,119 @@ def test_policy_switch_serves_each_policy_from_one_engine(tiny_dir, vllm_engine)
 
 
 # -----------------------------------------------------------------------------
+# LoRA per role: one frozen base, an adapter per policy (model.add_lora)
+
+
+def _lora_model(tiny_dir, names=("tool", "plan"), r=4, alpha=8.0, seed=0):
+    """A tiny model with adapters whose B is random (fresh adapters are exactly the base)."""
+    m = M.add_lora(M.load_model(tiny_dir), list(names), r, alpha, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def test_lora_forward_equals_base_plus_scaled_BA_by_hand(tiny_dir):
+    m = _lora_model(tiny_dir, r=4, alpha=8.0)
+    lin = m.model.layers[1].mlp.gate_proj
+    x = torch.randn(3, 5, lin.in_features)
+    for name in ("tool", "plan"):
+        M.set_adapter(m, name)
+        A, B = lin.lora_A[name].weight, lin.lora_B[name].weight
+        hand = x @ lin.weight.T + (8.0 / 4) * (x @ A.T) @ B.T
+        assert (lin(x) - hand).abs().max().item() < 1e-5
+    # a fresh adapter (B = 0) is the base model exactly; every policy's merged export is base + scale B A
+    fresh = M.add_lora(M.load_model(tiny_dir), ["tool"], 4, 8.0)
+    ids = torch.randint(0, 250, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), M.load_model(tiny_dir)(ids))
+    M.set_adapter(m, "plan")
+    merged = dict(M.iter_hf_state(m))
+    q = m.model.layers[0].self_attn.q_proj
+    want = q.weight + 2.0 * q.lora_B["plan"].weight @ q.lora_A["plan"].weight
+    assert (merged["model.layers.0.self_attn.q_proj.weight"] - want).abs().max().item() < 1e-6
+    assert not any(".lora_" in k for k in merged) and merged.keys() == M.hf_state_dict(M.load_model(tiny_dir)).keys()
+
+
+def test_planner_counts_lora_adapters_exactly():
+    """memory.lora_count (what the planner charges per adapter) equals the parameters add_lora creates, for the
+    tiny shapes and the 1.7B/8B layer shapes (built on the meta device); a LoRA plan holds one frozen base."""
+    import memory
+    for size in ("tiny", "tiny-small", "1.7B", "8B"):
+        cfg = M.Qwen3Config(**{**M.SIZES[size], "num_hidden_layers": 2})
+        with torch.device("meta"):
+            m = M.add_lora(M.Qwen3(cfg), ["a", "b"], 16, 32.0)
+        assert sum(p.numel() for p in M.adapter_parameters(m, "a")) == memory.lora_count(cfg, 16), size
+    cfg = M.Qwen3Config(**M.SIZES["8B"])
+    kw = dict(world=8, gpu_gb=80, n_policies=2, micro_batch_tokens=16384, grad_checkpoint=True)
+    full, lora = memory.plan(cfg, **kw), memory.plan(cfg, lora_rank=16, **kw)
+    c = memory.counts(cfg)
+    assert lora["totals"]["rollout"] * 2 ** 30 == pytest.approx(full["totals"]["rollout"] * 2 ** 30 - (2 * 16 * c.total
+                                                                - 4 * c.total - 2 * 16 * memory.lora_count(cfg, 16)) / 8)
+
+
+def test_lora_step_changes_only_its_adapter(tiny_dir):
+    """update_policy with a policy's adapter selected and AdamW over that adapter only: the base and the other
+    adapter are bit-identical afterwards; this adapter moved."""
+    import train as T
+    m = _lora_model(tiny_dir)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    M.set_adapter(m, "plan")
+    opt = torch.optim.AdamW(M.adapter_parameters(m, "plan"), lr=1e-2)
+    cfg = {k: getattr(T, k) for k in T.config_keys}
+    cfg.update(minibatches=2, micro_batch_tokens=60, temperature=1.0, pack=False, tis_cap=0.0, lr=1e-2)
+    T.update_policy(m, opt, _sibling_groups(2, n_groups=4), cfg, 1, torch.device("cpu"))
+    moved = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_A.plan." in n or ".lora_B.plan." in n for n in moved)
+    assert any(".lora_B.plan." in n for n in moved) and any(".lora_A.plan." in n for n in moved)
+
+
+def test_lora_adapter_files_load_in_peft_and_round_trip(tiny_dir, tmp_path):
+    """save_adapter writes a PEFT folder: peft.PeftModel on the transformers base gives our logits; our loader
+    reads it back into a fresh adapter bit-exactly."""
+    from peft import PeftModel
+    m = _lora_model(tiny_dir)
+    ids = torch.randint(0, 250, (2, 11))
+    for name in ("tool", "plan"):
+        M.set_adapter(m, name)
+        M.save_adapter(m, name, str(tmp_path / name), tiny_dir)
+        pm = PeftModel.from_pretrained(hf_model(tiny_dir), str(tmp_path / name)).eval()
+        with torch.no_grad():
+            assert (pm(ids).logits - m(ids)).abs().max().item() < 1e-5, name
+    back = M.add_lora(M.load_model(tiny_dir), ["plan"], 4, 8.0, seed=7)
+    M.load_adapter(back, "plan", str(tmp_path / "plan"))
+    ours = dict(m.named_parameters())
+    for n, p in back.named_parameters():
+        if ".lora_" in n:
+            assert torch.equal(p, ours[n]), n
+
+
+def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
+    """LoRA per role in one vLLM engine (merged weights per policy, PolicySwitch): each role's greedy tokens equal the
+    trainer's with that role's adapter selected, and the two roles really differ."""
+    import train as T
+    from rollout import PolicySwitch
+    m = _lora_model(tiny_dir, r=8, alpha=64.0)
+    pols = [T.Policy("tool", ("tool",), tiny_dir, "tool", 1e-3, 100, 1), T.Policy("plan", ("plan",), tiny_dir, "plan", 1e-3, 100, 1)]
+    prompts = _prompts()
+    want = []
+    for p in range(2):
+        want.append([_greedy_ours(T.use_policy([m, m], pols, p), q, 12) for q in prompts])
+    assert want[0] != want[1]
+    sw = PolicySwitch(vllm_engine, 2)
+    try:
+        views = [sw.view(0), sw.view(1)]
+        for p in range(2):
+            views[p].sync(T.use_policy([m, m], pols, p))
+        for p in (1, 0, 0, 1):
+            assert [o[0].ids for o in views[p].generate(prompts, n=1, temperature=0, max_new_tokens=12)] == want[p], p
+    finally:
+        vllm_engine.sync(M.load_model(tiny_dir))  # later tests use the engine as built
+
+
+# -----------------------------------------------------------------------------
 # FSDP2: 2 processes (gloo) against one process
 
 
@@ -1541,13 +1654,13 @@ SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--
 def test_train_smoke_every_combination(task, tmp_path):
     import train as T
     for workflow in ("mas", "single"):
-        for policies in ("shared", "per_role"):
+        for policies in ("shared", "per_role", "lora"):
             for algo in ("at_grpo", "grpo", "dr_mas"):
                 out = tmp_path / f"{workflow}-{policies}-{algo}"
                 T.main(SMOKE + ["--task", task, "--workflow", workflow, "--policies", policies, "--algo", algo, "--out_dir", str(out)])
                 rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
                 assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0, (workflow, policies, algo)
-                n_pol = 2 if (workflow == "mas" and policies == "per_role") else 1
+                n_pol = 2 if (workflow == "mas" and policies != "shared") else 1
                 assert all(f"grad_norm_p{p}" in rec[-1] for p in range(n_pol))
 
 
@@ -1558,7 +1671,7 @@ def test_train_real_model_path(tiny_dir, tmp_path):
                     "--max_model_len", "1024", "--lr", "1e-5", "--ckpt_every", "1"])
     cfg = json.load(open(tmp_path / "r" / "config.json"))
     assert cfg["model"] == tiny_dir and cfg["lr"] == 1e-5
-    ck = tmp_path / "r" / "ckpt" / "policy0"
+    ck = tmp_path / "r" / "ckpt" / "policy-tool+plan"
     assert M.load_model(str(ck)).num_params() == M.load_model(tiny_dir).num_params()
     hf_model(str(ck))  # transformers loads the checkpoint as it is
 
@@ -1570,6 +1683,93 @@ def test_bad_flags_fail_fast(tmp_path):
                       (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint")]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
+
+
+def test_resolve_policies_role_maps_settings_and_misuse(tiny_dir):
+    """Who plays which role with which settings, from the flags alone; every misuse stops with the fix, before loading."""
+    import train as T
+
+    def res(*argv):
+        pols, r2p = T.resolve_policies(T.configure(list(argv)))
+        return [(p.name, p.base, p.adapter, p.lr, p.micro_batch_tokens, p.minibatches) for p in pols], r2p
+    lr0, mbt0, mb0 = (T.DEFAULTS["tiny"][k] for k in ("lr", "micro_batch_tokens", "minibatches"))
+    assert res() == ([("tool+plan", "tiny", "", lr0, mbt0, mb0)], {"tool": 0, "plan": 0})
+    assert res("--policies", "per_role")[0] == [("tool", "tiny", "", lr0, mbt0, mb0), ("plan", "tiny", "", lr0, mbt0, mb0)]
+    assert [(p[2], p[3]) for p in res("--policies", "lora")[0]] == [("tool", T.LORA_LR_MULT * lr0), ("plan", T.LORA_LR_MULT * lr0)]
+    hetero, r2p = res("--policy", "tool=tiny-small", "--policy=plan=tiny", "--lr", "tool=1e-3,plan=2e-4", "--minibatches", "plan=2")
+    assert hetero == [("tool", "tiny-small", "", 1e-3, mbt0, mb0), ("plan", "tiny", "", 2e-4, mbt0, 2)] and r2p == {"tool": 0, "plan": 1}
+    same, _ = res("--policy", f"tool={tiny_dir}", "--policy", f"plan={tiny_dir}", "--lr", "2e-6")  # one path: one policy
+    assert same == [("tool+plan", tiny_dir, "", 2e-6, T.DEFAULTS["real"]["micro_batch_tokens"], T.DEFAULTS["real"]["minibatches"])]
+    assert res("--policies", "per_role", "--micro_batch_tokens", "tool=100")[0][0][4] == 100
+    assert res("--task", "math", "--policies", "per_role", "--lr", "reasoner=1e-3")[0][1] == ("reasoner", "tiny", "", 1e-3, mbt0, mb0)
+    for argv, msg in [(["--policy", "chess=tiny"], "has no role 'chess'"), (["--policy", "tool"], "ROLE=PATH"),
+                      (["--policy", "tool=/nowhere"], "no config.json"), (["--lr", "coder=1e-3"], "has no role 'coder'"),
+                      (["--lr", "tool=fast"], "not a float"), (["--policies", "lora", "--lora_rank", "0"], "lora_rank must be >= 1"),
+                      (["--lr", "tool=1e-3,plan=2e-3"], "share one policy"), (["--minibatches", "plan=0", "--policies", "per_role"], ">= 1"),
+                      (["--policies", "lora", "--policy", "tool=tiny-small"], "one base"),
+                      (["--policy", f"tool={tiny_dir}", "--policy", "plan=tiny"], "mixes tiny sizes")]:
+        with pytest.raises(SystemExit, match=msg):
+            T.main(argv)
+
+
+def test_train_two_tiny_sizes_as_tool_and_plan(tmp_path):
+    """--policy tool=tiny-small --policy plan=tiny: two bases of different sizes, each with its own engine and
+    settings, train in one run; each checkpoint loads in transformers and in vLLM and gives our greedy tokens."""
+    import train as T
+    from rollout import make_engine
+    out = tmp_path / "r"
+    T.main(SMOKE + ["--policy", "tool=tiny-small", "--policy", "plan=tiny", "--lr", "tool=1e-3,plan=5e-4", "--steps", "2",
+                    "--ckpt_every", "2", "--out_dir", str(out)])
+    rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert rec[-1]["step"] == 2 and "grad_norm_p0" in rec[-1] and "grad_norm_p1" in rec[-1]
+    sizes = {}
+    for role in ("tool", "plan"):
+        ck = str(out / "ckpt" / f"policy-{role}")
+        ours = M.load_model(ck)
+        sizes[role] = ours.num_params()
+        ids = torch.randint(0, 250, (1, 10))
+        with torch.no_grad():
+            assert (hf_model(ck)(ids).logits - ours(ids)).abs().max().item() < 1e-4
+        eng = make_engine("vllm", ck, max_len=256)
+        try:
+            p = _prompts()[0]
+            assert eng.generate([p], n=1, temperature=0, max_new_tokens=8)[0][0].ids == _greedy_ours(ours, p, 8)
+        finally:
+            eng.close()
+    assert sizes["tool"] < sizes["plan"]
+
+
+def test_train_lora_checkpoint_resume_and_peft(tmp_path):
+    """--policies lora: a 2-step run equals 1 step + resume (adapters and AdamW state from DCP, the base from its
+    folder); the exported adapters load in peft on the base and the merged exports equal them."""
+    from peft import PeftModel
+    import train as T
+    args = SMOKE + ["--policies", "lora", "--lora_rank", "4", "--lr", "1e-2", "--ckpt_every", "1", "--warmup_steps", "30",
+                    "--envs_per_step", "4", "--K", "3"]  # a format warm-up: rewards vary, so the adapters get gradients
+    T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "a")])
+    T.main(args + ["--steps", "1", "--out_dir", str(tmp_path / "b")])
+    T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "b"), "--resume", "true"])
+
+    def strip(path):
+        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
+    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    assert len(a) == len(b) == 2 and a[0]["grad_norm_p0"] > 0 and a[0]["grad_norm_p1"] > 0
+    for x, y in zip(a, b):
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["step"], k)
+    base = str(tmp_path / "tiny-base-plan-s0")
+    ids = torch.randint(0, 250, (2, 9))
+    for role in ("tool", "plan"):
+        pa = str(tmp_path / "a" / "ckpt" / f"adapter-{role}")
+        pb = str(tmp_path / "b" / "ckpt" / f"adapter-{role}")
+        from safetensors.torch import load_file
+        sa, sb = load_file(pa + "/adapter_model.safetensors"), load_file(pb + "/adapter_model.safetensors")
+        assert sa.keys() == sb.keys() and all((sa[k] - sb[k]).abs().max() < 1e-5 for k in sa)
+        assert any(sa[k].abs().max() > 0 for k in sa if ".lora_B." in k)  # trained: B moved off zero
+        merged = M.load_model(str(tmp_path / "a" / "ckpt" / f"policy-{role}"))
+        with torch.no_grad():
+            pm = PeftModel.from_pretrained(hf_model(base), pa).eval()
+            assert (pm(ids).logits - merged(ids)).abs().max().item() < 1e-4, role
 
 
 def _run(args, timeout=600, env_extra=None):
@@ -1638,7 +1838,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path):
     steps = [r for r in rec if "samples_per_rank" in r]
     assert len(steps) == 3 and "eval_success" in rec[-1]
     assert any(r["samples_per_rank"][0] != r["samples_per_rank"][1] for r in steps)  # ranks held different counts
-    assert (out / "ckpt" / "policy0" / "model.safetensors").exists()
+    assert (out / "ckpt" / "policy-tool+plan" / "model.safetensors").exists()
     assert len(list((out / "ckpt" / "train0").glob("*.distcp"))) == 2  # one DCP shard file per rank
     _run(args + ["--steps", "4", "--resume", "true"], timeout=900)  # each rank reads its own shards back
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
@@ -1771,7 +1971,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path):
     before, after = rec[0]["eval_success"], rec[-1]["eval_success"]
     print(f"held-out success: untrained {before:.2f} -> 30 steps {after:.2f}")
     assert after >= before + 0.1
-    res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy0"), "--out", str(tmp_path / "ev")])
+    res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy-tool+plan"), "--out", str(tmp_path / "ev")])
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
     base = V.main(["--task", "plan", "--model", str(tmp_path / "tiny-base-plan-s0"), "--engine", "torch"])
     assert base["accuracy"] == pytest.approx(before, abs=0.03)  # torch sampler, same greedy policy

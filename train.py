@@ -46,13 +46,16 @@ task = "plan"              # plan | sokoban | sudoku | code | math
 model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact task configuration
 algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the normalization scope (grpo_mas.py)
 workflow = "mas"           # mas: both agents; single: the plan agent / coder / reasoner alone
-policies = "shared"        # shared: one model for all roles; per_role: one model per role
+policies = "shared"        # shared: one model for all roles; per_role: one model per role; lora: one frozen base, an adapter per role
+policy = ""                # ROLE=PATH (repeatable): that role's base model (a HF folder, or tiny / tiny-small); roles naming one path share a policy
+lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer, model.LORA_TARGETS)
+lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
 K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
 turns = None               # T, max turns per episode (paper 4)
 envs_per_step = None       # E, env instances per step over all ranks (paper 128)
-minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2)
+minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2); per role: tool=2,plan=4
 steps = None               # training steps (paper ~400)
-lr = None                  # AdamW learning rate (paper 1e-6, constant)
+lr = None                  # AdamW learning rate (paper 1e-6, constant); per role: --lr tool=1e-6,plan=2e-6
 weight_decay = 0.01
 grad_clip = 1.0
 eps_low = 0.2              # PPO clip range below 1
@@ -67,7 +70,7 @@ top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer
 max_new_tokens = None      # response budget per call
 max_prompt_tokens = None   # observation budget per call (head and tail are kept)
 max_model_len = None       # engine context
-micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward)
+micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
 engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler) | scripted (answers from the data: tests, benchmarks)
 seed = 0
 out_dir = "runs/default"
@@ -99,7 +102,10 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
-           "policies": ["shared", "per_role"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
+           "policies": ["shared", "per_role", "lora"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
+LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the default lr (Thinking Machines, "LoRA Without Regret", 2025)
+PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
+TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
 config_keys = [k for k, v in list(globals().items())
                if not k.startswith("_") and k not in ("DEFAULTS", "CHOICES") and isinstance(v, (int, float, bool, str, type(None)))]
 
@@ -122,7 +128,11 @@ def parse_flags(argv, cfg):
         if name not in cfg:
             raise SystemExit(f"unknown flag --{name}; known: {', '.join('--' + k for k in cfg)}")
         t = types.get(name) or type(cfg[name])
-        if t is bool:
+        if name == "policy":  # repeatable: --policy tool=A --policy plan=B
+            cfg[name] = ",".join(x for x in (cfg[name], val) if x)
+        elif name in PER_ROLE and "=" in val:  # ROLE=VALUE,...: checked against the task's roles in resolve_policies
+            cfg[name] = val
+        elif t is bool:
             if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise SystemExit(f"--{name} takes true or false, not {val!r}")
             cfg[name] = val.lower() in ("1", "true", "yes")
@@ -204,7 +214,7 @@ def random_answer(task, rng):
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, 4)))
 
 
-def build_tiny_base(path, task, cfg):
+def build_tiny_base(path, task, cfg, size="tiny"):
     """Random tiny Qwen3 + tokenizer, then `warmup_steps` of SFT on (observation, *random* valid answer) pairs for the
     compact task, so that the policy starts out emitting well-formed moves with no task skill (the analogue of a
     real base model that knows the output format). Cached: every ablation starts from the same weights."""
@@ -212,7 +222,7 @@ def build_tiny_base(path, task, cfg):
         return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    m = M.build_tiny(tmp, seed=cfg["seed"])
+    m = M.build_tiny(tmp, seed=cfg["seed"], size=size)
     if task in ("plan", "sokoban", "sudoku") and cfg["warmup_steps"] > 0:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tmp)
@@ -422,7 +432,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             stats["tokens"] += st["tokens"]
             stats["kl"] += st["kl_sum"]
             stats["dlogp"] += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer before this step's updates
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        gn = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], cfg["grad_clip"])
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         stats["grad_norm"] = max(stats["grad_norm"], float(gn))
         opt.step()
@@ -434,24 +444,29 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 # checkpoints: HF folders per policy (transformers and vLLM load them as they are) + sharded resumable state (DCP)
 
 
-def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path, export_dtype=None):
-    """ckpt/policy{p}: an HF export, streamed (one gathered tensor at a time, rank 0 writes). ckpt/train{p}: the
-    model and optimizer state as torch.distributed.checkpoint shards, each rank writing its own (torchtitan
-    `checkpointer/dcp.py`), so no rank ever holds the whole fp32 model or optimizer."""
+def save_checkpoint(out, step, models, opts, pols, tok, rank, world, metrics_path, export_dtype=None):
+    """Per policy: ckpt/policy-{name}, an HF export, streamed (one gathered tensor at a time, rank 0 writes; LoRA: the
+    base merged with the policy's adapter, so transformers, vLLM and eval.py load it as it is) and with LoRA
+    ckpt/adapter-{name}, the adapter alone as a PEFT folder; ckpt/train-{name}: the trainable state and its optimizer
+    as torch.distributed.checkpoint shards, each rank writing its own (torchtitan `checkpointer/dcp.py`), so no rank
+    ever holds the whole fp32 model or optimizer (LoRA: adapters only; the frozen base is the base folder)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     ck = os.path.join(out, "ckpt.tmp")
     if rank == 0:
         shutil.rmtree(ck, ignore_errors=True)
     if OWN_GROUP:
         dist.barrier()
-    for p, (m, o) in enumerate(zip(models, opts)):
-        d = os.path.join(ck, f"policy{p}")
+    for p, (pol, o) in enumerate(zip(pols, opts)):
+        m = use_policy(models, pols, p)
+        d = os.path.join(ck, f"policy-{pol.name}")
         M.save_model(m, d, dtype=export_dtype, write=rank == 0)  # collective under FSDP2
         if rank == 0:
             tok.save_pretrained(d)
-        msd, osd = get_state_dict(m, o)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train{p}"))
+        if pol.adapter:
+            M.save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
+        msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=bool(pol.adapter)))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
         torch.save({"step": step, "metrics_lines": n_lines}, os.path.join(ck, "state.pt"))
@@ -465,27 +480,37 @@ def save_checkpoint(out, step, models, opts, tok, rank, world, metrics_path, exp
         dist.barrier()
 
 
-def load_train_state(m, o, path):
-    """Each rank reads only its own shards of ckpt/train{p} into its (already sharded) model and optimizer."""
+def load_train_state(m, o, path, frozen=True):
+    """Each rank reads only its own shards of ckpt/train-{name} into its (already sharded) model and optimizer.
+    frozen=False (LoRA): only the trainable parameters are in the checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(m, o)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=not frozen))
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=frozen))  # LoRA: the frozen base is not in `state`
 
 
 # -----------------------------------------------------------------------------
 # setup phases: flags, the memory plan, policies and engines
 
 
+def is_tiny(cfg):
+    """The embedded default: no --model and every --policy names a tiny size (a real path means a real run)."""
+    return not cfg["model"] and all(sp.split("=", 1)[-1] in TINY_SIZES for sp in cfg["policy"].split(",") if sp)
+
+
 def configure(argv):
     cfg = parse_flags(argv, {k: globals()[k] for k in config_keys})
-    tiny = not cfg["model"]
+    tiny = is_tiny(cfg)
+    if cfg["policies"] == "lora" and cfg["lr"] is None:  # adapters want ~10x the full model's rate ("LoRA Without Regret")
+        cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
     for k, v in DEFAULTS["tiny" if tiny else "real"].items():
         if cfg[k] is None:
             cfg[k] = v
     E.check_task(cfg["task"], cfg["workflow"])
+    resolve_policies(cfg)  # every role/policy misuse fails here, before anything loads
     named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
     if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
         raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
@@ -493,30 +518,30 @@ def configure(argv):
     if named and not cfg["dry_run"]:
         raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, or point --model "
                          "at a Qwen3 folder")
-    if cfg["minibatches"] < 1:
-        raise SystemExit("--minibatches must be >= 1")
     if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
     return cfg
 
 
-def model_config(cfg):
-    if cfg["model"] in M.SIZES and not os.path.exists(cfg["model"]):
-        return M.Qwen3Config(**M.SIZES[cfg["model"]])
-    if not cfg["model"]:
-        return M.Qwen3Config(**M.SIZES["tiny"])
-    with open(os.path.join(cfg["model"], "config.json")) as f:
+def model_config(cfg, base=None):
+    base = base or cfg["model"] or "tiny"
+    if base in M.SIZES and not os.path.exists(base):
+        return M.Qwen3Config(**M.SIZES[base])
+    with open(os.path.join(base, "config.json")) as f:
         return M.Qwen3Config.from_hf(json.load(f))
 
 
 def memory_plan(cfg, world, gpu_gb):
+    """Planned for the largest base with every policy at that size (an upper bound when bases differ per role)."""
     import memory
-    n_pol = len(E.TASKS[cfg["task"]]["roles"]) if cfg["policies"] == "per_role" and cfg["workflow"] == "mas" else 1
-    return memory.plan(model_config(cfg), world=world, gpu_gb=gpu_gb, n_policies=n_pol,
-                       micro_batch_tokens=cfg["micro_batch_tokens"], grad_checkpoint=cfg["grad_checkpoint"], engine=cfg["engine"],
-                       gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
+    pols, _ = resolve_policies(cfg)
+    mc = max((model_config(cfg, p.base) for p in pols), key=lambda c: memory.counts(c).total)
+    lora = cfg["policies"] == "lora"
+    return memory.plan(mc, world=world, gpu_gb=gpu_gb, n_policies=len(pols),
+                       micro_batch_tokens=max(p.micro_batch_tokens for p in pols), grad_checkpoint=cfg["grad_checkpoint"],
+                       engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
                        rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
-                       pack=cfg["pack"])
+                       pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0)
 
 
 def print_memory_plan(cfg):
@@ -531,14 +556,97 @@ def print_memory_plan(cfg):
     return 0 if res["fits"] else 1
 
 
-def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
+@dataclass
+class Policy:
+    """One trained policy: the roles it plays, the base it starts from and its own training settings (Dr. MAS sets
+    lr and micro-batch per agent). Checkpoints: ckpt/policy-{name} (HF), ckpt/train-{name} (DCP), and with LoRA
+    ckpt/adapter-{name} (PEFT)."""
+    name: str                # its roles joined by "+", e.g. "tool+plan" for the shared policy of Plan-Path
+    roles: tuple
+    base: str                # a HF folder, or a tiny size (TINY_SIZES) for the embedded default
+    adapter: str             # --policies lora: this policy's adapter on the one shared base; "" = a full model
+    lr: float
+    micro_batch_tokens: int
+    minibatches: int
+
+
+def task_roles(cfg):
+    return E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
+
+
+def per_role(cfg, key, roles, cast):
+    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6 (roles not named keep the default) -> {role: value}."""
+    v, default = cfg[key], DEFAULTS["tiny" if is_tiny(cfg) else "real"][key]
+    if key == "lr" and cfg["policies"] == "lora":
+        default *= LORA_LR_MULT
+    if not isinstance(v, str):
+        return {r: v for r in roles}
+    out = {r: default for r in roles}
+    for item in v.split(","):
+        r, _, x = item.partition("=")
+        if r not in roles:
+            raise SystemExit(f"--{key} {v}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+        try:
+            out[r] = cast(x)
+        except ValueError:
+            raise SystemExit(f"--{key} {v}: {x!r} is not a {cast.__name__}")
+    return out
+
+
+def resolve_policies(cfg):
+    """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and the per-role flags.
+    shared: roles with the same base share one policy (the default: all of them); per_role: one policy per role;
+    lora: one adapter per role on one frozen base. Returns ([Policy], {role: policy index})."""
+    roles = task_roles(cfg)
+    base = {r: cfg["model"] or "tiny" for r in roles}
+    for sp in filter(None, cfg["policy"].split(",")):
+        r, eq, path = sp.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
+        if r not in roles:
+            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+        if path not in TINY_SIZES and not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), nor one of {', '.join(TINY_SIZES)}")
+        base[r] = path
+    if not cfg["model"] and any(b in TINY_SIZES for b in base.values()) and not all(b in TINY_SIZES for b in base.values()):
+        raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model for the rest)")
+    settings = {k: per_role(cfg, k, roles, int if k != "lr" else float) for k in PER_ROLE}
+    for r in roles:
+        if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
+            raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
+    if cfg["policies"] == "lora":
+        if cfg["lora_rank"] <= 0:
+            raise SystemExit(f"--lora_rank must be >= 1, not {cfg['lora_rank']}")
+        if len(set(base.values())) > 1:
+            raise SystemExit("--policies lora puts every role's adapter on one base: drop --policy ROLE=PATH, or use "
+                             "--policies shared|per_role for different bases per role")
+    groups = {}  # key -> roles
+    for r in roles:
+        groups.setdefault(r if cfg["policies"] in ("per_role", "lora") else base[r], []).append(r)
+    pols = []
+    for rs in groups.values():
+        vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}
+        for k, v in vals.items():
+            if len(v) > 1:
+                raise SystemExit(f"roles {', '.join(rs)} share one policy but --{k} gives them {sorted(v)}: give them one "
+                                 "value, or --policies per_role")
+        name = "+".join(rs)
+        pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
+                           *(vals[k].pop() for k in PER_ROLE)))
+    return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
+
+
+def build_policies(cfg, pols, bases, ckpt, rank, world, device):
     """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and AdamW; the engine(s);
     the optional frozen KL reference (sharded the same way). A fresh start loads the HF weights on the CPU and lets
-    fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards."""
+    fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards.
+    `bases`: policy index -> HF folder. LoRA: one model (the frozen base + every policy's adapter), listed once per
+    policy; each policy's AdamW holds only its own adapter."""
     fsdp = OWN_GROUP
     pdtype = torch.bfloat16 if device.type == "cuda" else None
+    lora = cfg["policies"] == "lora"
 
-    def make(src, trainable=True, empty=False):
+    def make(src, trainable=True, empty=False, adapters=()):
         if empty:  # resume: the shapes only; the values come from this rank's DCP shards below
             with open(os.path.join(src, "config.json")) as f:
                 mc = M.Qwen3Config.from_hf(json.load(f))
@@ -550,6 +658,8 @@ def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
             m.model.rotary.reset()
         else:
             m = M.load_model(src, dtype=torch.float32, device="cpu" if fsdp else device)
+        if adapters:
+            M.add_lora(m, adapters, cfg["lora_rank"], cfg["lora_alpha"], seed=cfg["seed"])
         if fsdp:  # fully_shard moves each unit's shard of the CPU model to this rank's device
             M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=pdtype, compile=cfg["compile"])
         else:
@@ -560,27 +670,53 @@ def build_policies(cfg, base, ckpt, n_pol, rank, world, device):
         return m
 
     models, opts, refs = [], [], []
-    for p in range(n_pol):
-        m = make(os.path.join(ckpt, f"policy{p}") if cfg["resume"] else base, empty=cfg["resume"])
-        o = torch.optim.AdamW(m.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
+    shared = make(bases[0], adapters=[p.adapter for p in pols]) if lora else None  # LoRA resumes from the base + DCP adapters
+    for p, pol in enumerate(pols):
+        m = shared or make(os.path.join(ckpt, f"policy-{pol.name}") if cfg["resume"] else bases[p], empty=cfg["resume"])
+        params = M.adapter_parameters(m, pol.adapter) if lora else m.parameters()
+        o = torch.optim.AdamW(params, lr=pol.lr, weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
         if cfg["resume"]:
-            load_train_state(m, o, os.path.join(ckpt, f"train{p}"))
+            load_train_state(m, o, os.path.join(ckpt, f"train-{pol.name}"), frozen=not lora)
         models.append(m)
         opts.append(o)
-        refs.append(make(base, trainable=False).eval().requires_grad_(False) if cfg["kl_coef"] > 0 else None)
-    # one engine per rank (vLLM allows one sleep-mode engine per process); per_role policies take turns in it
-    src0 = os.path.join(ckpt, "policy0") if cfg["resume"] else base
+        refs.append(make(bases[p], trainable=False).eval().requires_grad_(False) if cfg["kl_coef"] > 0 else None)
+    # one engine per distinct base on each rank (vLLM: one sleep-mode engine per process is what is verified; see the
+    # README); the policies of one base take turns in its engine (PolicySwitch), LoRA policies as merged weights
     from rollout import PolicySwitch
-    eng = make_engine(cfg["engine"], src0, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
-                      gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep_mode=True)
-    if n_pol == 1:
-        engines = [eng]
-    else:
-        switch = PolicySwitch(eng, n_pol)
-        engines = [switch.view(p) for p in range(n_pol)]
-        for p in range(n_pol):  # host copies of every policy's starting weights (a collective: all ranks, same order)
+    by_base = {}
+    for p in range(len(pols)):
+        by_base.setdefault(bases[p], []).append(p)
+    engines = [None] * len(pols)
+    for b, ps in by_base.items():
+        src = os.path.join(ckpt, f"policy-{pols[ps[0]].name}") if cfg["resume"] else b
+        eng = make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
+                          gpu_memory_utilization=cfg["gpu_memory_utilization"] / len(by_base), sleep_mode=True)
+        if len(ps) == 1:
+            engines[ps[0]] = eng
+            continue
+        switch = PolicySwitch(eng, len(ps))
+        for j, p in enumerate(ps):  # host copies of every policy's starting weights (a collective: all ranks, same order)
+            engines[p] = switch.view(j)
+            use_policy(models, pols, p)
             engines[p].sync(models[p])
     return models, opts, refs, engines
+
+
+def use_policy(models, pols, p):
+    """The model of policy p, ready to run as that policy (LoRA: its adapter selected on the shared base)."""
+    if pols[p].adapter:
+        M.set_adapter(models[p], pols[p].adapter)
+    return models[p]
+
+
+def distinct_engines(engines):
+    """The engines themselves, each once (a PolicySwitch's views share one)."""
+    out = []
+    for e in engines:
+        e = e.switch.engine if hasattr(e, "switch") else e
+        if not any(e is x for x in out):
+            out.append(e)
+    return out
 
 
 def cuda_peak_gib(reset=True):
@@ -601,7 +737,7 @@ def main(argv):
     cfg = configure(argv)
     if cfg["dry_run"]:
         raise SystemExit(print_memory_plan(cfg))
-    tiny = not cfg["model"]
+    tiny = is_tiny(cfg)
     if tiny and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -621,15 +757,19 @@ def main(argv):
     if cfg["resume"] and not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {ckpt!r}")
     compact = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
-    roles = E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
-    role_to_policy = {r: (i if cfg["policies"] == "per_role" else 0) for i, r in enumerate(roles)}
-    n_pol = max(role_to_policy.values()) + 1
+    roles = task_roles(cfg)
+    pols, role_to_policy = resolve_policies(cfg)
+    n_pol = len(pols)
 
-    # base weights: the given model, or the cached tiny base (built by rank 0)
-    base = cfg["model"] or os.path.join(os.path.dirname(os.path.abspath(out)), f"tiny-base-{cfg['task']}-s{cfg['seed']}")
+    # base weights: each policy's folder, or the cached tiny base of its size (built by rank 0)
+    def tiny_base(size):
+        return os.path.join(os.path.dirname(os.path.abspath(out)),
+                            f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}"))
+    bases = [tiny_base(p.base) if tiny else p.base for p in pols]
     if tiny:
         if master:
-            build_tiny_base(base, cfg["task"], cfg)
+            for p in pols:
+                build_tiny_base(tiny_base(p.base), cfg["task"], cfg, p.base)
         if world > 1:
             dist.barrier()
     start_step = 0
@@ -639,14 +779,21 @@ def main(argv):
     if master:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+            json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2)
         for src in ("train.py", "rollout.py", "grpo_mas.py", "envs.py", "model.py", "eval.py", "memory.py"):
             shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(base)
+    tok = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer (and the tiny sizes theirs)
     torch.manual_seed(cfg["seed"])
 
-    models, opts, refs, engines = build_policies(cfg, base, ckpt, n_pol, rank, world, device)
+    models, opts, refs, engines = build_policies(cfg, pols, bases, ckpt, rank, world, device)
+    if master:
+        for p, pol in enumerate(pols):
+            n_train = sum(q.numel() for g in opts[p].param_groups for q in g["params"])
+            lora_note = f" + LoRA r={cfg['lora_rank']} alpha={cfg['lora_alpha']:g}" if pol.adapter else ""
+            print(f"policy {p} {pol.name}: base {pol.base}{lora_note}, "
+                  f"lr {pol.lr:g}, micro_batch_tokens {pol.micro_batch_tokens}, minibatches {pol.minibatches}; "
+                  f"trains {n_train / 1e6:.2f}M params (AdamW state {8 * n_train / 2 ** 20:.1f} MiB)", flush=True)
     agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"])
     sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
     export_dtype = None if tiny else torch.bfloat16  # HF exports of real models in bf16 (resume reads the fp32 DCP state)
@@ -699,15 +846,17 @@ def main(argv):
         mem = {"mem_rollout": cuda_peak_gib()}
 
         if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
-            engines[0].sleep()
+            for e in distinct_engines(engines):
+                e.sleep()
         t1 = time.time()
-        pstats = [update_policy(models[p], opts[p], [s for s in kept if s.policy == p], cfg, world, device, refs[p])
+        pstats = [update_policy(use_policy(models, pols, p), opts[p], [s for s in kept if s.policy == p],
+                                {**cfg, **{k: getattr(pols[p], k) for k in PER_ROLE}}, world, device, refs[p])
                   for p in range(n_pol)]
         mem["mem_train"] = cuda_peak_gib()
         t2 = time.time()
         for p in range(n_pol):
             if cfg["sync"]:
-                engines[p].sync(models[p])  # streamed; wakes the engine's weights first
+                engines[p].sync(use_policy(models, pols, p))  # streamed; wakes the engine's weights first
         mem["mem_sync"] = cuda_peak_gib()
         t3 = time.time()
 
@@ -765,15 +914,17 @@ def main(argv):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
-            engines[0].sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
-            save_checkpoint(out, last, models, opts, tok, rank, world, metrics_path, export_dtype)
+            for e in distinct_engines(engines):
+                e.sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
+            save_checkpoint(out, last, models, opts, pols, tok, rank, world, metrics_path, export_dtype)
         cuda_peak_gib()
         if out_of_time:
             if master:
                 print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
             break
     # engines first: vLLM's own process groups must go before the default group they were built on
-    engines[0].close()
+    for e in distinct_engines(engines):
+        e.close()
     if OWN_GROUP and dist.is_initialized():
         dist.destroy_process_group()
         OWN_GROUP = False
