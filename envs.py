@@ -184,7 +184,7 @@ PLAN_SYS = ("You are the plan agent of a two-agent team. A tool agent wrote a pr
 
 class GridGame:
     """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and rewards."""
-    roles_mas, workflow = ("tool", "plan"), "sequential"
+    roles_mas = ("tool", "plan")
     answer_fmt = ""
     fail_reward = -2.0
 
@@ -193,6 +193,10 @@ class GridGame:
         self.compact, self.turn, self.done, self.success = compact, 0, False, False
         self.tool_text, self.tool_out, self.tool_sim = None, None, None  # what the plan agent sees this turn
         self.format_ok = True
+
+    @property
+    def stages(self):  # sequential: one agent at a time (the rollouts run a turn as these stages, in order)
+        return [(r,) for r in self.roles]
 
     def clone(self):
         return copy.deepcopy(self)
@@ -682,7 +686,9 @@ MAX_MISMATCHES = 3  # failing tester cases shown to both agents next turn
 
 
 class CodeEnv:
-    workflow = "parallel"
+    @property
+    def stages(self):  # parallel: both agents answer the turn-start state
+        return [self.roles]
 
     def __init__(self, row, workflow="mas", train_tests=None, compact=False):
         self.row, self.roles = row, (("coder", "tester") if workflow == "mas" else ("coder",))
@@ -786,7 +792,9 @@ def _clip_mid(s, n=500):
 
 
 class MathEnv:
-    workflow = "parallel"
+    @property
+    def stages(self):  # parallel
+        return [self.roles]
 
     def __init__(self, row, workflow="mas", compact=False):
         self.row, self.roles = row, (("tool", "reasoner") if workflow == "mas" else ("reasoner",))
@@ -839,6 +847,109 @@ class MathEnv:
             self.done = a is not None and b is not None and (a == b or math_equal(b, a))
         if len(self.roles) == 1:
             self.done = True
+        self.pending = {}
+        self.turn += 1
+
+
+# -----------------------------------------------------------------------------
+# Math teams: N reasoners || M tool agents, then a judge (paper Fig. 5; SPEC §4)
+
+MATH_JUDGE_SYS = ("You are the judge of a team of agents. Read the team's answers to the problem, decide which one is "
+                  "right, and put the team's final answer in \\boxed{}.")
+
+
+def team_roles(n, m):
+    """The agent instances of a team, each its own role in the (env, agent, turn) key: reasoner1..N, tool1..M, judge."""
+    return tuple(f"reasoner{i}" for i in range(1, n + 1)) + tuple(f"tool{j}" for j in range(1, m + 1)) + ("judge",)
+
+
+def parse_team(spec, task, workflow="mas"):
+    """--team "N,M" -> (N, M); "" -> None. Only math has a team workflow (the paper's Fig. 5)."""
+    if not spec:
+        return None
+    try:
+        n, m = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--team takes N,M (reasoners, tool agents), e.g. --team 2,2; not {spec!r}")
+    if task != "math" or workflow != "mas":
+        raise ValueError("--team is the math task's team workflow: use it with --task math (and --workflow mas)")
+    if n < 1 or m < 1:
+        raise ValueError(f"--team {spec}: a team needs N >= 1 reasoners and M >= 1 tool agents (plus its judge)")
+    return n, m
+
+
+def role_type(role):
+    """reasoner2 -> reasoner, tool1 -> tool: what an instance is (its prompt, its rewards, --policies per_type)."""
+    return role.rstrip("0123456789")
+
+
+def _plurality(entries):
+    """The most common (answer, correct) among members' (shown, answer, correct); ties: the first in role order."""
+    votes = [(a.strip(), ok) for _, a, ok in entries if a is not None and a.strip()]
+    if not votes:
+        return None
+    counts = {}
+    for a, _ in votes:
+        counts[a] = counts.get(a, 0) + 1
+    return next(v for v in votes if counts[v[0]] == max(counts.values()))
+
+
+class TeamMathEnv(MathEnv):
+    """N reasoners and M tool agents answer in parallel (as in the two-agent workflow: from turn 1 on each sees the
+    previous turn's answers, the judge's included), then the judge sees this turn's answers and gives the team's.
+    Rewards (the paper gives the structure only; our reading, as SPEC §4 suggests):
+      team    1 if the team's answer is correct: the judge's, once it has answered this turn; while the members'
+              candidates are scored the judge has not answered yet, so the team's answer is then the plurality of the
+              members' answers (what a judge that votes would say)
+      judge   local 0.2 format + 0.8 correct (the reasoner's rule); members keep their two-agent local rewards
+    Success: the judge's answer is correct. Done: the judge's answer agrees with the members' plurality answer."""
+
+    def __init__(self, row, n, m):
+        super().__init__(row, "mas")
+        self.roles = team_roles(n, m)
+
+    @property
+    def stages(self):
+        return [self.roles[:-1], ("judge",)]
+
+    def observe(self, role):
+        if role != "judge":
+            msgs = super().observe(role_type(role))
+            msgs[0]["content"] = msgs[0]["content"].replace("a two-agent team", f"a team of {len(self.roles)} agents")
+            return msgs
+        task = f"Problem:\n{self.row['question']}\n\nThe team's answers:"
+        for r, (shown, ans, _) in self.pending.items():
+            task += f"\n\n{r} answer: {ans}\n{shown}"
+        return [{"role": "system", "content": MATH_JUDGE_SYS}, {"role": "user", "content": task}]
+
+    def step(self, role, text):
+        if role == "judge":
+            ans = last_boxed(text)
+            self.format_ok = ans is not None
+            ok = math_equal(self.row["answer"], ans)
+            self.pending["judge"] = (_clip_mid(text or ""), ans, ok)
+            return 0.2 * (ans is not None) + 0.8 * ok
+        kind = role_type(role)
+        local = super().step(kind, text)
+        self.pending[role] = self.pending.pop(kind)
+        return local
+
+    def team_reward(self):
+        if "judge" in self.pending:
+            return float(self.pending["judge"][2])
+        vote = self._vote()
+        return float(bool(vote and vote[1]))
+
+    def _vote(self):  # the members' plurality (answer, correct), ties to the first member in role order
+        return _plurality(self.pending[r] for r in self.roles[:-1] if r in self.pending)
+
+    def end_turn(self):
+        judge = self.pending.get("judge")
+        vote = self._vote()
+        for role, (shown, ans, _) in self.pending.items():
+            self.prev[role] = (shown, ans)
+        self.success = bool(judge and judge[2])
+        self.done = bool(judge and judge[1] is not None and vote and (judge[1].strip() == vote[0] or math_equal(vote[0], judge[1])))
         self.pending = {}
         self.turn += 1
 
@@ -902,26 +1013,29 @@ def load_split(task, split, files=None):
     return rows
 
 
-def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None):
+def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None, team=None):
+    """`team` (n, m): math with n reasoners, m tool agents and a judge (TeamMathEnv)."""
     check_task(task, workflow)
     if task in ("plan", "sokoban", "sudoku"):
         return make_game(task, seed, workflow, compact)
     if row is None:
         raise ValueError(f"task {task!r} needs a dataset row (see load_split)")
+    if team:
+        return TeamMathEnv(row, *team)
     return CodeEnv(row, workflow, train_tests=train_tests) if task == "code" else MathEnv(row, workflow)
 
 
-def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None):
+def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None):
     """Fixed evaluation instances: games from the reserved test seeds, datasets from their test files."""
     if task in ("plan", "sokoban", "sudoku"):
         if (limit or n) > MAX_TEST:
             raise ValueError(f"at most {MAX_TEST} test instances are reserved for {task}")
         return [make_game(task, TEST_SEED0 + i, workflow, compact) for i in range(limit or n)]
     rows = load_split(task, "test", files)[:limit]
-    return [make_env(task, workflow=workflow, row=r) for r in rows]
+    return [make_env(task, workflow=workflow, row=r, team=team) for r in rows]
 
 
-def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5):
+def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None):
     """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training pool."""
     if task in ("plan", "sokoban", "sudoku"):
         key = (task, compact)
@@ -931,4 +1045,4 @@ def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5
             env = make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
             if env.board() not in _TEST_BOARDS[key]:
                 return env
-    return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests)
+    return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests, team=team)

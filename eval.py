@@ -4,6 +4,7 @@ Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7), 
     python eval.py --task plan --model runs/default/ckpt/policy-tool+plan            # MAS, greedy, one sample
     python eval.py --task plan --model M --workflow single                   # the single-agent baseline
     python eval.py --task plan --policy tool=A --policy plan=B               # any checkpoint per role (role swaps)
+    python eval.py --task math --team 2,2 --model M                          # N reasoners + M tool agents + a judge
     python eval.py --task math --model M --k 4 --temperature 0.6             # math default: avg@4 and pass@4
     python eval.py --plot runs/default runs/grpo --out curves.png            # curves from metrics.jsonl
 
@@ -180,7 +181,7 @@ def markdown(res, title):
 
 def parse_args(argv):
     a = dict(task=None, model=None, policy=[], workflow="mas", k=None, temperature=None, split="test", limit=None, turns=4,
-             engine="vllm", out=None, plot=[], max_new_tokens=None, files=[], compact=None, max_model_len=None)
+             engine="vllm", out=None, plot=[], max_new_tokens=None, files=[], compact=None, max_model_len=None, team=None)
     i = 0
     while i < len(argv):
         name, val = (argv[i][2:].split("=", 1) + [None])[:2] if argv[i].startswith("--") else (None, None)
@@ -218,7 +219,11 @@ def main(argv):
         E.check_task(task, workflow)
     except ValueError as e:
         raise SystemExit(str(e))
-    roles = E.TASKS[task]["roles"] if workflow == "mas" else (E.TASKS[task]["single"],)
+    try:
+        team = E.parse_team(a["team"], task, workflow)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    roles = E.team_roles(*team) if team else E.TASKS[task]["roles"] if workflow == "mas" else (E.TASKS[task]["single"],)
     paths = {r: a["model"] for r in roles}
     for spec in a["policy"]:
         if "=" not in spec:
@@ -245,7 +250,7 @@ def main(argv):
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
     max_new = int(a["max_new_tokens"] or (8 if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
-    test_envs = E.test_set(task, n=100, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit)
+    test_envs = E.test_set(task, n=100, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
 
     from transformers import AutoTokenizer
     from rollout import Agents, make_engine

@@ -295,7 +295,7 @@ class DefaultScript:
       coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
       tester     the row's first ground-truth tests as cases
       math tool  a program printing the answer (sometimes importing sympy first, as tool agents do)
-      reasoner   a short derivation ending in \\boxed{answer}
+      reasoner   a short derivation ending in \\boxed{answer} (a team's judge answers the same way)
       games      a random move list in the answer format
     and, with the given probabilities, a wrong answer, a program that loops forever, or a hostile program."""
 
@@ -326,7 +326,8 @@ class DefaultScript:
 
     def __call__(self, text, rng):
         role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
-                                      ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"))
+                                      ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"),
+                                      ("You are the judge", "reasoner"))
                      if key in text), "game")
         u = rng.random()
         if role in ("coder", "math_tool") and u < self.p_loop:
@@ -539,9 +540,10 @@ def _end_turn(env):
 
 def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
     """AT-GRPO tree sampling (SPEC §3): K candidates at every (agent, turn) from the same state, each scored on its
-    own branch; the best branch continues. Parallel workflows: each agent's K candidates come from the turn-start
-    state; a candidate is scored on a branch where the other agents' provisional best (highest local reward)
-    answers of this turn are applied first; then both winners continue."""
+    own branch; the best branch continues. A turn runs the env's `stages` in order: a stage of one agent is a
+    sequential step; in a stage of several (parallel workflows, a team's members) each agent's K candidates come
+    from the stage-start state, a candidate is scored on a branch where the other agents' provisional best (highest
+    local reward) answers are applied first, then every agent's winner continues."""
     import random as _random
     rng = rng or _random.Random(0)
     timer = timer if timer is not None else {}
@@ -551,12 +553,12 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
         live = [i for i, e in enumerate(envs) if not e.done]
         if not live:
             break
-        roles = envs[live[0]].roles
-        if envs[live[0]].workflow == "sequential":
-            for role in roles:
-                live = [i for i in live if not envs[i].done]
-                if not live:
-                    break
+        for stage in envs[live[0]].stages:  # sequential: one stage per agent; parallel: one stage of all agents
+            live = [i for i in live if not envs[i].done]
+            if not live:
+                break
+            if len(stage) == 1:
+                role = stage[0]
                 smp = _sample(agents, role, [envs[i] for i in live], K, sp, timer)
                 prompts, cands = smp.prompts, smp.cands
                 t0 = time.time()
@@ -568,11 +570,11 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
                     samples += [_make(agents, i, role, t, 0, p, c, x) for (c, _), x in zip(cs, scored)]
                     envs[i] = scored[w][0]
                 timer["env"] = timer.get("env", 0.0) + time.time() - t0
-        else:
-            sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in roles}
+                continue
+            sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in stage}
             t0 = time.time()
             # 1. provisional best of each agent by local reward alone, all (env, role, candidate) at once
-            jobs = [(j, role, text) for j, i in enumerate(live) for role in roles for _, text in sampled[role].cands[j]]
+            jobs = [(j, role, text) for j, i in enumerate(live) for role in stage for _, text in sampled[role].cands[j]]
             locs = _pmap(lambda job: envs[live[job[0]]].clone().step(job[1], job[2]), jobs)
             best = {}
             for n, (j, role, _) in enumerate(jobs[::K]):
@@ -580,7 +582,7 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
                 best[j, role] = texts[_pick(locs[n * K:(n + 1) * K], rng, "greedy")]
             # 2. every candidate on a branch where the other agents' provisional answers are applied first
             scored = _pmap(lambda job: _score(envs[live[job[0]]], job[1], job[2], alpha,
-                                              [(r, best[job[0], r]) for r in roles if r != job[1]]), jobs)
+                                              [(r, best[job[0], r]) for r in stage if r != job[1]]), jobs)
             winners = {}
             for n, (j, role, _) in enumerate(jobs[::K]):
                 group = scored[n * K:(n + 1) * K]
@@ -589,10 +591,10 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
                             for (c, _), x in zip(sampled[role].cands[j], group)]
                 winners[j, role] = sampled[role].cands[j][w][1]
 
-            # 3. both winners continue
+            # 3. every agent's winner continues
             def advance(j):
                 nxt = envs[live[j]].clone()
-                for role in roles:
+                for role in stage:
                     nxt.step(role, winners[j, role])
                 return nxt
             for j, nxt in enumerate(_pmap(advance, range(len(live)))):
@@ -617,38 +619,23 @@ def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
         live = [(i, k) for i, k in flat if not trajs[i][k].done]
         if not live:
             break
-        env0 = trajs[live[0][0]][live[0][1]]
-        if env0.workflow == "sequential":
-            for role in env0.roles:
-                live = [(i, k) for i, k in live if not trajs[i][k].done]
-                if not live:
-                    break
-                smp = _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer)
-                prompts, cands = smp.prompts, smp.cands
-                t0 = time.time()
-
-                def act(n):
-                    e = trajs[live[n][0]][live[n][1]]
-                    local = e.step(role, cands[n][0][1])
-                    return local, e.team_reward()
-                for n, ((i, k), (local, team)) in enumerate(zip(live, _pmap(act, range(len(live))))):
-                    e = trajs[i][k]
-                    samples.append(_make(agents, i, role, t, k, prompts[n], cands[n][0][0], (e, alpha * team + local, local, team)))
-                timer["env"] = timer.get("env", 0.0) + time.time() - t0
-        else:
-            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in env0.roles}
+        for stage in trajs[live[0][0]][live[0][1]].stages:  # one agent (sequential) or all of them (parallel)
+            live = [(i, k) for i, k in live if not trajs[i][k].done]
+            if not live:
+                break
+            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in stage}
             t0 = time.time()
 
-            def act_all(n):  # every agent answers the turn-start state; the team term sees all answers
+            def act_all(n):  # every agent of the stage answers; the team term sees all their answers
                 e = trajs[live[n][0]][live[n][1]]
                 locals_, fmt = {}, {}
-                for role in env0.roles:
+                for role in stage:
                     locals_[role] = e.step(role, sampled[role].cands[n][0][1])
                     fmt[role] = e.format_ok
                 return locals_, fmt, e.team_reward()
             for n, ((i, k), (locals_, fmt, team)) in enumerate(zip(live, _pmap(act_all, range(len(live))))):
                 e = trajs[i][k]
-                for role in env0.roles:
+                for role in stage:
                     smp = _make(agents, i, role, t, k, sampled[role].prompts[n], sampled[role].cands[n][0][0],
                                 (e, alpha * team + locals_[role], locals_[role], team))
                     smp.formatted = fmt[role]

@@ -1558,7 +1558,8 @@ def _scripted_agents(tiny_dir, script):
     from transformers import AutoTokenizer
     from rollout import Agents, ScriptedEngine
     eng = ScriptedEngine(tiny_dir, seed=0, script=script)
-    return Agents(AutoTokenizer.from_pretrained(tiny_dir), [eng], {r: 0 for r in ("tool", "plan", "coder", "tester", "reasoner")}, 100000)
+    return Agents(AutoTokenizer.from_pretrained(tiny_dir), [eng], {r: 0 for r in ("tool", "plan", "coder", "tester", "reasoner")
+                                                                    + E.team_roles(2, 2)}, 100000)
 
 
 def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
@@ -1587,6 +1588,68 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
     kept, diag = compute_advantages(samples, "at_grpo")
     assert diag["groups"] == 2 and diag["group_size"] == 4
     assert envs[0].done and envs[0].success  # both winners (print(5), \boxed{5}) agree
+
+
+def test_team_math_env_rewards_and_judge_by_hand():
+    """--team 2,2: members keep the two-agent rewards; before the judge answers, the team's answer is the members'
+    plurality (ties: the first member in role order); the judge's local is 0.2 format + 0.8 correct and its answer
+    is the team's; the episode ends when the judge agrees with the plurality."""
+    row = {"question": "What is 6 x 7?", "answer": "42"}
+    env = E.TeamMathEnv(row, 2, 2)
+    assert env.roles == ("reasoner1", "reasoner2", "tool1", "tool2", "judge")
+    assert env.stages == [("reasoner1", "reasoner2", "tool1", "tool2"), ("judge",)]
+    sys_tool = env.observe("tool2")[0]["content"]
+    assert "a team of 5 agents" in sys_tool and "computes the answer" in sys_tool
+    assert env.step("reasoner1", "\\boxed{42}") == pytest.approx(1.0) and env.team_reward() == 1.0
+    assert env.step("reasoner2", "so \\boxed{41}") == pytest.approx(0.2) and env.team_reward() == 1.0  # 1-1: reasoner1's
+    assert env.step("tool1", "```python\nprint(41)\n```") == pytest.approx(0.2) and env.team_reward() == 0.0  # 41 x2
+    assert env.step("tool2", "no code") == 0.0 and env.team_reward() == 0.0
+    seen = env.observe("judge")[1]["content"]
+    assert all(f"{r} answer: {a}" in seen for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "41"), ("tool2", None)))
+    assert env.step("judge", "The tool is wrong: \\boxed{42}") == pytest.approx(1.0) and env.team_reward() == 1.0
+    env.end_turn()
+    assert env.success and not env.done and env.turn == 1  # the judge (42) disagrees with the plurality (41)
+    assert "Previous judge answer: 42" in env.observe("reasoner1")[1]["content"]
+    for r, text in (("reasoner1", "\\boxed{41}"), ("reasoner2", "\\boxed{41}"), ("tool1", "```python\nprint(41)\n```"),
+                    ("tool2", "```python\nprint(41)\n```")):
+        env.step(r, text)
+    assert env.step("judge", "\\boxed{41}") == pytest.approx(0.2) and env.team_reward() == 0.0
+    env.end_turn()
+    assert env.done and not env.success
+
+
+def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
+    """AT-GRPO tree sampling of a 2+2+1 team (K=2): every instance is its own (env, role, turn) group; each member's
+    candidates are scored with the other members' provisional best applied (team term: the plurality, by hand
+    below); the judge sees the members' winners and its candidates are scored on its own answer."""
+    from rollout import tree_rollout
+    from grpo_mas import compute_advantages
+    answers = {"reasoner1": ["\\boxed{42}", "\\boxed{41}"], "reasoner2": ["\\boxed{41}", "I think 41"],
+               "tool1": ["```python\nprint(42)\n```", "```python\nprint(41)\n```"],
+               "tool2": ["no code", "```python\nprint(42)\n```"], "judge": ["\\boxed{41}", "\\boxed{42}"]}
+    calls = []
+    order = [r for r in E.team_roles(2, 2) for _ in range(2)]  # the rollout asks role by role, K candidates each
+
+    def script(text, rng):
+        role = order[len(calls)]
+        calls.append(text)
+        return answers[role][(len(calls) - 1) % 2]
+    envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2)]
+    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 2, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
+    # by hand: provisional bests r1 42, r2 \boxed{41}, t1 print(42), t2 print(42); team = the plurality is correct
+    assert got == {"reasoner1": pytest.approx([2.0, 0.2]),  # 42: 42,41,42,42 -> 1 | 41: 41,41,42,42 tie -> r1's 41 -> 0
+                   "reasoner2": pytest.approx([1.2, 1.0]),  # local 0.2 / 0 (no box); plurality 42 either way
+                   "tool1": pytest.approx([2.0, 1.2]),      # print(41): 42,41,41,42 tie -> r1's 42 -> 1
+                   "tool2": pytest.approx([1.0, 2.0]),      # no code: local 0, team 1
+                   "judge": pytest.approx([0.2, 2.0])}      # its own answer is the team's
+    judge_prompt = next(s for s in samples if s.role == "judge").prompt_ids
+    from transformers import AutoTokenizer
+    seen = AutoTokenizer.from_pretrained(tiny_dir).decode(judge_prompt)
+    assert all(f"{r} answer: {a}" in seen for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "42"), ("tool2", "42")))
+    kept, diag = compute_advantages(samples, "at_grpo")
+    assert diag["groups"] == 5 and diag["group_size"] == 2 and {(s.role, s.turn) for s in samples} == {(r, 0) for r in E.team_roles(2, 2)}
+    assert envs[0].done and envs[0].success
 
 
 def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
@@ -1737,6 +1800,30 @@ def test_train_two_tiny_sizes_as_tool_and_plan(tmp_path):
         finally:
             eng.close()
     assert sizes["tool"] < sizes["plan"]
+
+
+def test_train_and_eval_math_team_per_type(tmp_path):
+    """--task math --team 2,2 --policies per_type: five agent instances, three policies (reasoners, tools, judge),
+    one reward column per instance; eval.py plays the same team from the checkpoints."""
+    import train as T
+    out = tmp_path / "team"
+    T.main(SMOKE + ["--task", "math", "--team", "2,2", "--policies", "per_type", "--ckpt_every", "1", "--out_dir", str(out)])
+    rec = json.loads(open(out / "metrics.jsonl").readlines()[-1])
+    assert all(f"reward_{r}" in rec for r in E.team_roles(2, 2)) and all(f"grad_norm_p{p}" in rec for p in range(3))
+    assert rec["samples"] in (20, 30, 40)  # K=2 candidates x 5 agents per live env and turn: 2 envs, 1-2 turns each
+    names = sorted(os.listdir(out / "ckpt"))
+    assert [n for n in names if n.startswith("policy-")] == ["policy-judge", "policy-reasoner1+reasoner2", "policy-tool1+tool2"]
+    res = V.main(["--task", "math", "--team", "2,2", "--engine", "torch", "--limit", "2", "--max_new_tokens", "8",
+                  "--policy", f"judge={out}/ckpt/policy-judge", "--policy", f"reasoner1={out}/ckpt/policy-reasoner1+reasoner2",
+                  "--policy", f"reasoner2={out}/ckpt/policy-reasoner1+reasoner2", "--policy", f"tool1={out}/ckpt/policy-tool1+tool2",
+                  "--policy", f"tool2={out}/ckpt/policy-tool1+tool2"])
+    assert res["n"] == 2 and set(res["policies"]) == set(E.team_roles(2, 2))
+    for argv, msg in [(["--task", "math", "--team", "0,2"], "N >= 1"), (["--task", "plan", "--team", "2,2"], "math task"),
+                      (["--task", "math", "--team", "two"], "takes N,M")]:
+        with pytest.raises(SystemExit, match=msg):
+            T.main(argv)
+    with pytest.raises(SystemExit, match="N >= 1"):
+        V.main(["--task", "math", "--team", "2,0", "--model", str(out / "ckpt" / "policy-judge")])
 
 
 def test_train_lora_checkpoint_resume_and_peft(tmp_path):

@@ -46,7 +46,9 @@ task = "plan"              # plan | sokoban | sudoku | code | math
 model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact task configuration
 algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the normalization scope (grpo_mas.py)
 workflow = "mas"           # mas: both agents; single: the plan agent / coder / reasoner alone
-policies = "shared"        # shared: one model for all roles; per_role: one model per role; lora: one frozen base, an adapter per role
+policies = "shared"        # shared: one model for all roles; per_role: one model per role; per_type: one per role type (a team's
+                           # reasoners share one, its tools one, the judge one); lora: one frozen base, an adapter per role
+team = ""                  # --task math: "N,M" = N reasoners and M tool agents answer in parallel, then a judge (N+M+1 agents)
 policy = ""                # ROLE=PATH (repeatable): that role's base model (a HF folder, or tiny / tiny-small); roles naming one path share a policy
 lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer, model.LORA_TARGETS)
 lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
@@ -102,7 +104,7 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
-           "policies": ["shared", "per_role", "lora"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
+           "policies": ["shared", "per_role", "per_type", "lora"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
 LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the default lr (Thinking Machines, "LoRA Without Regret", 2025)
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
 TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
@@ -570,7 +572,17 @@ class Policy:
     minibatches: int
 
 
+def parse_team(cfg):
+    try:
+        return E.parse_team(cfg["team"], cfg["task"], cfg["workflow"])
+    except ValueError as e:
+        raise SystemExit(str(e))
+
+
 def task_roles(cfg):
+    team = parse_team(cfg)
+    if team:
+        return E.team_roles(*team)
     return E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
 
 
@@ -596,7 +608,8 @@ def per_role(cfg, key, roles, cast):
 def resolve_policies(cfg):
     """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and the per-role flags.
     shared: roles with the same base share one policy (the default: all of them); per_role: one policy per role;
-    lora: one adapter per role on one frozen base. Returns ([Policy], {role: policy index})."""
+    per_type: one per role type (envs.role_type: a team's reasoners share one); lora: one adapter per role on one
+    frozen base. Returns ([Policy], {role: policy index})."""
     roles = task_roles(cfg)
     base = {r: cfg["model"] or "tiny" for r in roles}
     for sp in filter(None, cfg["policy"].split(",")):
@@ -622,7 +635,8 @@ def resolve_policies(cfg):
                              "--policies shared|per_role for different bases per role")
     groups = {}  # key -> roles
     for r in roles:
-        groups.setdefault(r if cfg["policies"] in ("per_role", "lora") else base[r], []).append(r)
+        key = {"per_role": r, "lora": r, "per_type": (E.role_type(r), base[r])}.get(cfg["policies"], base[r])
+        groups.setdefault(key, []).append(r)
     pols = []
     for rs in groups.values():
         vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}
@@ -808,7 +822,8 @@ def main(argv):
         open(metrics_path, "w").close()
 
     from eval import evaluate
-    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"])
+    team = parse_team(cfg)
+    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"], team=team)
 
     def run_eval(step):
         res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
@@ -832,7 +847,7 @@ def main(argv):
         timer = {}
         rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
         E_local = cfg["envs_per_step"] // world
-        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows) for _ in range(E_local)]
+        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team) for _ in range(E_local)]
         agents.seed_base = (cfg["seed"] * 7919 + step * 104729 + rank * 15485863) % (2 ** 31)
         agents.calls = 0
         if cfg["algo"] == "at_grpo":
