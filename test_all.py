@@ -1915,18 +1915,25 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, pac
         assert (one["state"][k] - two["state"][k]).abs().max() < tol, k
 
 
-def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path):
+@pytest.mark.parametrize("policies", ["shared", "lora"])
+def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
+    """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
+    one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint)."""
     out = tmp_path / "tr"
     args = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535", "train.py", "--engine", "torch",
-            "--envs_per_step", "6", "--K", "3", "--turns", "3", "--eval_every", "3", "--eval_n", "10",
+            "--envs_per_step", "6", "--K", "3", "--turns", "3", "--eval_every", "3", "--eval_n", "10", "--policies", policies,
             "--ckpt_every", "3", "--warmup_steps", "60", "--out_dir", str(out)]  # warm-up: episodes end at different turns
     _run(args + ["--steps", "3"], timeout=900)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     steps = [r for r in rec if "samples_per_rank" in r]
     assert len(steps) == 3 and "eval_success" in rec[-1]
     assert any(r["samples_per_rank"][0] != r["samples_per_rank"][1] for r in steps)  # ranks held different counts
-    assert (out / "ckpt" / "policy-tool+plan" / "model.safetensors").exists()
-    assert len(list((out / "ckpt" / "train0").glob("*.distcp"))) == 2  # one DCP shard file per rank
+    name = "tool+plan" if policies == "shared" else "plan"
+    assert (out / "ckpt" / f"policy-{name}" / "model.safetensors").exists()
+    assert len(list((out / "ckpt" / f"train-{name}").glob("*.distcp"))) == 2  # one DCP shard file per rank
+    if policies == "lora":
+        assert (out / "ckpt" / "adapter-plan" / "adapter_model.safetensors").exists()
+        assert any(r["grad_norm_p1"] > 0 for r in steps)
     _run(args + ["--steps", "4", "--resume", "true"], timeout=900)  # each rank reads its own shards back
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
