@@ -311,13 +311,17 @@ class DefaultScript:
                 for split in ("train", "test"):
                     for r in E.load_split(task, split):
                         self._rows.setdefault(r["question"][:300], []).append(r)
+            self._key_lens = sorted({len(k) for k in self._rows}, reverse=True)
         return self._rows
 
     def _row(self, text):
         """The row this prompt is about. The same statement can be in two datasets (LiveCodeBench takes LeetCode
-        problems): the prompt's answer format (assert lines, io cases, stdin) says which kind of row it is."""
+        problems): the prompt's answer format (assert lines, io cases, stdin) says which kind of row it is.
+        A question shorter than 300 characters is its whole key, so every key length is tried (longest first)."""
         i = text.find("Problem:\n")
-        rows = [r for r in self.rows().get(text[i + 9:i + 309], []) if r["question"] in text] if i >= 0 else []
+        table = self.rows()
+        hits = next((table[text[i + 9:i + 9 + n]] for n in self._key_lens if text[i + 9:i + 9 + n] in table), []) if i >= 0 else []
+        rows = [r for r in hits if r["question"] in text]
         if "assert line" in text:
             rows = [r for r in rows if r.get("test_type") == "code"] or rows
         elif "**Test Input:**" in text or "reads stdin" in text:

@@ -1680,14 +1680,20 @@ def test_policy_switch_over_the_scripted_engine(tiny_dir):
 
 
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
+    """Code, math, and a math team of 2 + 2 + 1 (one turn) driven by the scripted policy: its answers are right 70% of
+    the time, so every role (the judge too) earns reward."""
     import train as T
-    for task in ("math", "code"):
-        T.main(["--task", task, "--engine", "scripted", "--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2",
+    for task, extra in (("math", ["--turns", "2"]), ("code", ["--turns", "2"]), ("math", ["--team", "2,2", "--turns", "1"])):
+        out = tmp_path / (task + "".join(extra))
+        T.main(["--task", task, "--engine", "scripted", "--steps", "1", "--envs_per_step", "2", "--K", "2",
                 "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "1500", "--max_prompt_tokens", "3000",
-                "--max_model_len", "5000", "--micro_batch_tokens", "20000", "--tool_timeout", "2",
-                "--out_dir", str(tmp_path / task)])
-        rec = [json.loads(l) for l in open(tmp_path / task / "metrics.jsonl")]
+                "--max_model_len", "5000", "--micro_batch_tokens", "20000", "--tool_timeout", "2", "--out_dir", str(out)] + extra)
+        rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
         assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0
+        if task == "math":  # short questions were answered "I do not know." (the script looked up 300 characters)
+            assert rec[-1]["reward_reasoner" if "--team" not in extra else "reward_reasoner1"] > 0
+        if "--team" in extra:
+            assert rec[-1]["samples"] == 2 * 2 * 5 and all(rec[-1][f"reward_{r}"] > 0 for r in E.team_roles(2, 2))
 
 
 def test_clones_are_independent_for_every_task():
