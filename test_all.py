@@ -1492,17 +1492,34 @@ def test_packed_flex_mask_equals_dense_mask_cuda():
     _packed_flex_vs_dense("cuda", grad=True)
 
 
+def test_minibatch_splits():
+    """strided: sample i -> mini-batch i mod n (a tree group's siblings spread out, every mini-batch sees every env);
+    groups: each sibling group whole in one mini-batch, dealt round-robin. --pack needs groups."""
+    import train as T
+    smp = _sibling_groups(4, n_groups=5)
+    for how in ("strided", "groups"):
+        chunks = T.split_minibatches(smp, 3, how)
+        assert sorted(id(x) for c in chunks for x in c) == sorted(id(x) for x in smp)
+        if how == "strided":
+            assert [[id(x) for x in c] for c in chunks] == [[id(x) for x in smp[i::3]] for i in range(3)]
+        else:
+            where = {tuple(x.prompt_ids): {j for j, c in enumerate(chunks) if any(y.prompt_ids == x.prompt_ids for y in c)} for x in smp}
+            assert all(len(v) == 1 for v in where.values())
+    with pytest.raises(SystemExit, match="use --split groups"):
+        T.main(["--pack", "true", "--split", "strided"])
+
+
 @pytest.mark.parametrize("n_mini", [1, 3])
 def test_packed_update_equals_per_sample_update(tiny_dir, n_mini):
     """A whole update_policy (with 3 mini-batches: three optimizer steps and a recomputed pi_old) lands on the same
-    weights packed or not: the mini-batch split keeps sibling groups together in both layouts."""
+    weights packed or not, given the same mini-batch split (--split groups: sibling groups stay together)."""
     import train as T
     samples = _sibling_groups(5, n_groups=7)
     out = []
     for pack in (False, True):
         m = M.load_model(tiny_dir)
         cfg = {k: getattr(T, k) for k in T.config_keys}
-        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0)
+        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0, split="groups")
         st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, cfg, 1, torch.device("cpu"))
         out.append((st, dict(m.named_parameters())))
     (a, wa), (b, wb) = out

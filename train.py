@@ -92,6 +92,8 @@ gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 f
 nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
 sync = True                # push new weights into the engines after each update (false only to show |dlogp| catches it)
 pack = False               # true: samples sharing a prompt (tree siblings) train as one row, the prompt once (Row); see README
+split = None               # how a batch is cut into --minibatches: strided (sample i -> mini-batch i mod N) or groups (whole
+                           # sibling groups, verl's way; what --pack needs). Default: groups with --pack, else strided
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
@@ -104,7 +106,7 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
-           "policies": ["shared", "per_role", "per_type", "lora"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
+           "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"]}
 LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the default lr (Thinking Machines, "LoRA Without Regret", 2025)
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
 TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
@@ -301,11 +303,14 @@ def make_rows(samples, pack):
     return rows
 
 
-def split_minibatches(samples, n_mini):
-    """The samples of each optimizer step. A group of samples that share a prompt (AT-GRPO's K siblings) stays in one
-    mini-batch, groups dealt round-robin, so `--pack` changes how a step is computed, never which samples it sees.
-    verl does the same in effect: its rollouts repeat each prompt's n responses contiguously (`repeat(interleave=True)`)
-    and mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`, `update_policy`)."""
+def split_minibatches(samples, n_mini, how):
+    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree group's K siblings
+    spread over the mini-batches and every step sees every env. groups: a group of samples that share a prompt
+    (AT-GRPO's K siblings) stays in one mini-batch, groups dealt round-robin; packing needs this (siblings must meet
+    in a row), and verl does the same in effect: its rollouts repeat each prompt's n responses contiguously
+    (`repeat(interleave=True)`) and its mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
+    if how == "strided":
+        return [samples[i::n_mini] for i in range(n_mini)]
     groups = {}
     for s in samples:
         groups.setdefault(tuple(s.prompt_ids), []).append(s)
@@ -391,7 +396,9 @@ def row_logprobs(model, b, cfg):
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
     """PPO-clip on this rank's samples of one policy. Token-mean over the whole optimizer step across ranks."""
     n_mini = cfg["minibatches"]
-    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini)]
+    how = cfg["split"] or ("groups" if cfg["pack"] else "strided")
+    samples = [s for s in samples if s.response_ids]
+    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, how)]
     rows = [r for c in chunks for r in c]
     stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0, rows=len(rows),
                  trained_tokens=float(sum(len(r.ids) for r in rows)))
@@ -513,6 +520,10 @@ def configure(argv):
             cfg[k] = v
     E.check_task(cfg["task"], cfg["workflow"])
     resolve_policies(cfg)  # every role/policy misuse fails here, before anything loads
+    cfg["split"] = cfg["split"] or ("groups" if cfg["pack"] else "strided")
+    if cfg["pack"] and cfg["split"] != "groups":
+        raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
+                         "use --split groups")
     named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
     if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
         raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
