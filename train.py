@@ -118,7 +118,7 @@ def parse_flags(argv, cfg):
     """--name value and --name=value for every config global; types follow the default; bools parsed explicitly."""
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
              "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int,
-             "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float}
+             "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
     i = 0
     while i < len(argv):
         arg = argv[i]
