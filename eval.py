@@ -5,6 +5,7 @@ Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7), 
     python eval.py --task plan --model M --workflow single                   # the single-agent baseline
     python eval.py --task plan --policy tool=A --policy plan=B               # any checkpoint per role (role swaps)
     python eval.py --task math --team 2,2 --model M                          # N reasoners + M tool agents + a judge
+    python eval.py --summary runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1           # multi-seed table of training runs
     python eval.py --task math --model M --k 4 --temperature 0.6             # math default: avg@4 and pass@4
     python eval.py --plot runs/default runs/grpo --out curves.png            # curves from metrics.jsonl
 
@@ -162,6 +163,42 @@ def plot(run_dirs, out_png):
     return out_png
 
 
+def summary(run_dirs, threshold=0.8):
+    """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
+    per group: seeds, steps, median seconds per step, final held-out success as mean [min-max] over seeds, best, the
+    training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
+    (does it stay learned?). Labels are the config values that differ between the runs given."""
+    runs = []
+    for d in run_dirs:
+        paths = [os.path.join(d, f) for f in ("config.json", "metrics.jsonl")]
+        if not all(os.path.exists(x) for x in paths):
+            raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
+        cfg = {k: v for k, v in json.load(open(paths[0])).items() if k not in ("seed", "out_dir", "resume", "resolved_policies")}
+        runs.append((d, cfg, [json.loads(l) for l in open(paths[1]) if l.strip()]))
+    varying = sorted({k for _, c, _ in runs for k in c if any(c.get(k) != c2.get(k) for _, c2, _ in runs)})
+    groups = {}
+    for d, c, rec in runs:
+        groups.setdefault(" ".join(f"--{k} {c.get(k)}" for k in varying) or "(one configuration)", []).append(rec)
+    lines = [f"| configuration | seeds | steps | s/step | final held-out, mean [min-max] | best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, recs in groups.items():
+        finals, bests, firsts, lows, steps, sps = [], [], [], [], [], []
+        for rec in recs:
+            ev = [(r.get("time", 0.0) / 60, r["eval_success"]) for r in rec if "eval_success" in r]
+            finals.append(ev[-1][1] if ev else float("nan"))
+            bests.append(max((y for _, y in ev), default=float("nan")))
+            hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
+            firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}")
+            lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
+            steps.append(max((r["step"] for r in rec), default=0))
+            ts = sorted(r["t_step"] for r in rec if "t_step" in r)
+            sps.append(ts[len(ts) // 2] if ts else float("nan"))
+        n = len(recs)
+        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {sum(finals) / n:.2f} "
+                     f"[{min(finals):.2f}-{max(finals):.2f}] | {sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
+    return "\n".join(lines)
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -181,19 +218,19 @@ def markdown(res, title):
 
 def parse_args(argv):
     a = dict(task=None, model=None, policy=[], workflow="mas", k=None, temperature=None, split="test", limit=None, turns=4,
-             engine="vllm", out=None, plot=[], max_new_tokens=None, files=[], compact=None, max_model_len=None, team=None)
+             engine="vllm", out=None, plot=[], summary=[], max_new_tokens=None, files=[], compact=None, max_model_len=None, team=None)
     i = 0
     while i < len(argv):
         name, val = (argv[i][2:].split("=", 1) + [None])[:2] if argv[i].startswith("--") else (None, None)
         if name is None or name not in a:
             raise SystemExit(f"unknown argument {argv[i]!r}; flags: {', '.join('--' + k for k in a)}")
-        if name == "plot":  # --plot takes every following non-flag argument
+        if name in ("plot", "summary"):  # take every following non-flag argument
             j = i + 1
             vals = [val] if val else []
             while j < len(argv) and not argv[j].startswith("--"):
                 vals.append(argv[j])
                 j += 1
-            a["plot"], i = vals, j
+            a[name], i = vals, j
             continue
         if val is None:
             if i + 1 >= len(argv):
@@ -211,6 +248,9 @@ def main(argv):
     a = parse_args(argv)
     if a["plot"]:
         print(plot(a["plot"], a["out"] or "curves.png"))
+        return None
+    if a["summary"]:
+        print(summary(a["summary"]))
         return None
     task, workflow = a["task"], a["workflow"]
     if task is None:

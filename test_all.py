@@ -2021,6 +2021,24 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 import eval as V
 
 
+def test_summary_table_of_seeds_by_hand(tmp_path):
+    """eval.py --summary groups runs by the config values that differ (not the seed) and reports the final held-out
+    mean [min-max], the best, the first time >= 0.8 and the lowest evaluation after it, per seed."""
+    def run(name, pack, seed, evals):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"pack": pack, "seed": seed, "out_dir": str(d), "lr": 5e-4}))
+        rows = [{"step": s, "time": 60.0 * m, "t_step": 2.0, **({"eval_success": y} if y is not None else {})} for s, m, y in evals]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+    dirs = [run("a0", True, 0, [(0, 0, 0.1), (10, 1, 0.85), (20, 2, 0.6), (30, 3, 0.9)]),
+            run("a1", True, 1, [(0, 0, 0.1), (10, 1.5, 0.5), (20, 3, 0.7)]),
+            run("b0", False, 0, [(0, 0, 0.2), (5, 2, None), (10, 4, 0.8)])]
+    table = V.summary(dirs).splitlines()
+    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.80 [0.70-0.90] | 0.80 | 1.0, never | 0.60, - |"
+    assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.80 [0.80-0.80] | 0.80 | 4.0 | 0.80 |"
+
+
 def test_pass_and_avg_at_k_brute_force():
     import itertools
     results = [[True, False, False, True], [False] * 4, [True] * 4, [False, False, True, False]]
