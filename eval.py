@@ -216,9 +216,38 @@ def markdown(res, title):
     return "\n".join(lines)
 
 
+FLAGS = {  # name: (default, what it does); a list default means the flag repeats (or takes several values)
+    "task": (None, "plan | sokoban | sudoku | code | math (required unless --plot / --summary)"),
+    "model": (None, "HF folder (a train.py ckpt/policy-NAME) for every role not given by --policy"),
+    "policy": ([], "ROLE=PATH, repeatable: that role's model (role swaps: give each role the other's checkpoint)"),
+    "workflow": ("mas", "mas: all agents; single: the plan agent / coder / reasoner alone"),
+    "team": (None, "math: N,M = N reasoners + M tool agents + a judge (as train.py --team)"),
+    "k": (None, "samples per problem: 4 for math (avg@4, pass@4), else 1"),
+    "temperature": (None, "0.6 for math, else 0 (greedy)"),
+    "split": ("test", "only the test split is evaluated here"),
+    "limit": (None, "evaluate the first N instances only"),
+    "turns": (4, "max turns per episode"),
+    "engine": ("vllm", "vllm | torch (the pure-torch sampler)"),
+    "out": (None, "write OUT.json and OUT.md (with --plot: the png)"),
+    "files": ([], "code/math: test jsonl files (shipped paths or your own in the same schema); default: all of the task's"),
+    "compact": (None, "true/false: the compact game prompts; default: true for tiny models"),
+    "max_new_tokens": (None, "response budget per call: 8 for tiny models, else 4096"),
+    "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192"),
+    "plot": ([], "RUN_DIR ...: training curves of train.py runs into --out (default curves.png)"),
+    "summary": ([], "RUN_DIR ...: a multi-seed markdown table of train.py runs, grouped by configuration"),
+}
+
+
+def usage():
+    return "usage: python eval.py --task T --model M [--flag value ...]\n\n" + "\n".join(
+        f"  --{k:<16} {str(d):<8} {h}" for k, (d, h) in FLAGS.items())
+
+
 def parse_args(argv):
-    a = dict(task=None, model=None, policy=[], workflow="mas", k=None, temperature=None, split="test", limit=None, turns=4,
-             engine="vllm", out=None, plot=[], summary=[], max_new_tokens=None, files=[], compact=None, max_model_len=None, team=None)
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        raise SystemExit(0)
+    a = {k: (list(d) if isinstance(d, list) else d) for k, (d, _) in FLAGS.items()}
     i = 0
     while i < len(argv):
         name, val = (argv[i][2:].split("=", 1) + [None])[:2] if argv[i].startswith("--") else (None, None)

@@ -1762,6 +1762,18 @@ def test_train_real_model_path(tiny_dir, tmp_path):
     hf_model(str(ck))  # transformers loads the checkpoint as it is
 
 
+def test_help_lists_every_flag_with_default_and_comment(capsys):
+    """train.py --help and eval.py --help (before: "flag --help needs a value"): every flag, its default, a comment."""
+    import train as T
+    for mod, keys in ((T, T.config_keys), (V, list(V.FLAGS))):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--help"])
+        assert e.value.code == 0
+        lines = {l.split()[0][2:]: l for l in capsys.readouterr().out.splitlines() if l.startswith("  --")}
+        assert set(lines) == set(keys)
+        assert all(len(l.split()) >= 3 for l in lines.values())  # name, default, a comment
+
+
 def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
@@ -1882,10 +1894,11 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path):
             assert (pm(ids).logits - merged(ids)).abs().max().item() < 1e-4, role
 
 
-def _run(args, timeout=600, env_extra=None):
+def _run(args, timeout=600, env_extra=None, merge=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    r = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    r = subprocess.run(args, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout,
+                       stderr=subprocess.STDOUT if merge else subprocess.PIPE)
+    assert r.returncode == 0, r.stdout[-4000:] + (r.stderr or "")[-4000:]
     return r
 
 
@@ -2099,9 +2112,17 @@ def test_plot_from_metrics(tmp_path):
 
 def test_short_default_run_learns_and_eval_cli_agrees(tmp_path):
     """30 steps of the real default path (vLLM engine, AT-GRPO, compact Plan-Path): held-out greedy success beats
-    the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation."""
+    the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation. Between the
+    first and the last step the log (stdout and stderr together) holds step and eval lines only: no engine warnings
+    at syncs, evaluations or checkpoints."""
     out = tmp_path / "run"
-    _run([PY, "train.py", "--steps", "30", "--eval_every", "30", "--ckpt_every", "30", "--out_dir", str(out)], timeout=1200)
+    r = _run([PY, "train.py", "--steps", "30", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)], timeout=1200,
+             merge=True)
+    lines = r.stdout.splitlines()
+    first = next(i for i, l in enumerate(lines) if l.startswith("step "))
+    last = max(i for i, l in enumerate(lines) if l.startswith("step "))
+    noise = [l for l in lines[first:last] if not (l.startswith("step ") or l.startswith("eval step "))]
+    assert not noise, noise[:5]
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     before, after = rec[0]["eval_success"], rec[-1]["eval_success"]
     print(f"held-out success: untrained {before:.2f} -> 30 steps {after:.2f}")

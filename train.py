@@ -58,8 +58,8 @@ envs_per_step = None       # E, env instances per step over all ranks (paper 128
 minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2); per role: tool=2,plan=4
 steps = None               # training steps (paper ~400)
 lr = None                  # AdamW learning rate (paper 1e-6, constant); per role: --lr tool=1e-6,plan=2e-6
-weight_decay = 0.01
-grad_clip = 1.0
+weight_decay = 0.01        # AdamW's decoupled weight decay
+grad_clip = 1.0            # clip each optimizer step's gradient to this global norm
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
 dual_clip = 3.0            # cap on the loss of negative-advantage tokens; 0 disables
@@ -74,8 +74,8 @@ max_prompt_tokens = None   # observation budget per call (head and tail are kept
 max_model_len = None       # engine context
 micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
 engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler) | scripted (answers from the data: tests, benchmarks)
-seed = 0
-out_dir = "runs/default"
+seed = 0                   # seeds the tiny base, the envs, sampling and the adapters' initialisation
+out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/; the tiny base is cached next to it
 eval_every = None          # held-out evaluation every N steps (0 = never); also at step 0 and at the end
 eval_n = 100               # held-out instances (games: fixed test seeds; code/math: first N of the test files)
 ckpt_every = None          # checkpoint every N steps
@@ -111,11 +111,31 @@ LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the default lr (Thin
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
 TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
 config_keys = [k for k, v in list(globals().items())
-               if not k.startswith("_") and k not in ("DEFAULTS", "CHOICES") and isinstance(v, (int, float, bool, str, type(None)))]
+               if not k.startswith("_") and k not in ("DEFAULTS", "CHOICES", "LORA_LR_MULT") and isinstance(v, (int, float, bool, str, type(None)))]
+
+
+def usage():
+    """Every flag with its default and its comment, read from the config block above (one source of truth)."""
+    import re
+    lines, out, last = open(os.path.abspath(__file__)).read().split("# config:", 1)[1].split("\nDEFAULTS")[0].splitlines(), [], None
+    for line in lines:
+        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
+        if m and m.group(1) in config_keys:
+            name, default, comment = m.groups()
+            if default == "None" and name in DEFAULTS["real"]:
+                default = f"{DEFAULTS['real'][name]} (real) / {DEFAULTS['tiny'][name]} (tiny)"
+            out.append(f"  --{name:<24} {default:<28} {comment or ''}")
+            last = len(out) - 1
+        elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
+            out[last] += " " + line.strip()[2:]
+    return "usage: python train.py [--flag value | --flag=value ...]\n\n" + "\n".join(out)
 
 
 def parse_flags(argv, cfg):
     """--name value and --name=value for every config global; types follow the default; bools parsed explicitly."""
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        raise SystemExit(0)
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
              "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int,
              "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
