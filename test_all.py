@@ -1774,6 +1774,40 @@ def test_help_lists_every_flag_with_default_and_comment(capsys):
         assert all(len(l.split()) >= 3 for l in lines.values())  # name, default, a comment
 
 
+def test_eta_respects_the_time_limit():
+    """The ETA printed per step: remaining steps at this pace, or the rest of --time_limit_min (+1 step) if sooner
+    (a 15-minute default run used to announce 45 minutes)."""
+    import train as T
+    assert T.eta_seconds({"steps": 400, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(900 - 60 + 6)
+    assert T.eta_seconds({"steps": 400, "time_limit_min": 0.0}, 10, 10, 60.0) == pytest.approx(390 * 6)
+    assert T.eta_seconds({"steps": 20, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(10 * 6)
+    assert T.eta_seconds({"steps": 400, "time_limit_min": 1.0}, 12, 12, 72.0) == pytest.approx(6)
+
+
+def test_wandb_logs_what_metrics_jsonl_holds(tmp_path, monkeypatch):
+    """--wandb PROJECT: every metrics line's numbers go to wandb.log at its step (a stand-in module records them);
+    without the package the run stops at once with the install command."""
+    import types
+    import train as T
+    logged, calls = [], []
+    import importlib.machinery
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda d, step: logged.append((step, d)),
+                                                                          finish=lambda: calls.append("finish"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "wb"
+    T.main(SMOKE + ["--wandb", "proj", "--steps", "2", "--eval_every", "1", "--eval_n", "3", "--out_dir", str(out)])
+    rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert calls[0]["project"] == "proj" and calls[0]["config"]["wandb"] == "proj" and calls[-1] == "finish"
+    assert [st for st, _ in logged] == [r["step"] for r in rec] == [0, 1, 2]
+    for (_, d), r in zip(logged, rec):
+        assert d["eval_success"] == r["eval_success"] and all(d[k] == r[k] for k in d)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(SystemExit, match="pip install wandb"):
+        T.main(["--wandb", "proj"])
+
+
 def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),

@@ -94,6 +94,7 @@ sync = True                # push new weights into the engines after each update
 pack = False               # true: samples sharing a prompt (tree siblings) train as one row, the prompt once (Row); see README
 split = None               # how a batch is cut into --minibatches: strided (sample i -> mini-batch i mod N) or groups (whole
                            # sibling groups, verl's way; what --pack needs). Default: groups with --pack, else strided
+wandb = ""                 # PROJECT: also log every metrics line to Weights & Biases (pip install wandb; not installed by setup.sh)
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
@@ -275,7 +276,8 @@ def build_tiny_base(path, task, cfg, size="tiny"):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        print(f"format warm-up: {cfg['warmup_steps']} steps, final loss {loss.item():.3f}")
+            if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
+                print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss.item():.3f}", flush=True)
         M.save_model(m, tmp)
     os.replace(tmp, path)
 
@@ -540,6 +542,11 @@ def configure(argv):
             cfg[k] = v
     E.check_task(cfg["task"], cfg["workflow"])
     resolve_policies(cfg)  # every role/policy misuse fails here, before anything loads
+    if cfg["wandb"]:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
     cfg["split"] = cfg["split"] or ("groups" if cfg["pack"] else "strided")
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
@@ -764,6 +771,16 @@ def distinct_engines(engines):
     return out
 
 
+def eta_seconds(cfg, step, done_steps, elapsed):
+    """Seconds left: the remaining steps at this run's pace, or what is left of --time_limit_min if that ends first
+    (plus one step: the limit is checked after a step)."""
+    per_step = elapsed / max(1, done_steps)
+    left = (cfg["steps"] - step) * per_step
+    if cfg["time_limit_min"]:
+        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - elapsed) + per_step)
+    return left
+
+
 def cuda_peak_gib(reset=True):
     if not torch.cuda.is_available():
         return 0.0
@@ -864,13 +881,23 @@ def main(argv):
                   f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
         return res
 
+    wb = None
+    if master and cfg["wandb"]:
+        import wandb
+        wb = wandb.init(project=cfg["wandb"], name=os.path.basename(os.path.abspath(out)), config=cfg)
+
+    def log(rec):  # rank 0: one line of metrics.jsonl, and the same numbers to wandb
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if wb is not None:
+            wb.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
+
     t_start = time.time()
     last = start_step
     if start_step == 0 and cfg["eval_every"]:
         r = run_eval(0)
         if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0}) + "\n")
+            log({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0})
     cuda_peak_gib()
     dlogp_hist = [[] for _ in range(n_pol)]
     for step in range(start_step, cfg["steps"]):
@@ -941,7 +968,7 @@ def main(argv):
             for k in mem:
                 rec[k] = max(x["mem"][k] for x in allr)
         done_steps = step + 1 - start_step
-        eta = (cfg["steps"] - step - 1) * (time.time() - t_start) / done_steps
+        eta = eta_seconds(cfg, step + 1, done_steps, time.time() - t_start)
         if master:
             rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
             pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
@@ -957,8 +984,7 @@ def main(argv):
             r = run_eval(last)
             rec.update(eval_success=r["accuracy"], eval_ci=r["ci"])
         if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            log(rec)
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
             for e in distinct_engines(engines):
                 e.sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
@@ -971,6 +997,8 @@ def main(argv):
     # engines first: vLLM's own process groups must go before the default group they were built on
     for e in distinct_engines(engines):
         e.close()
+    if wb is not None:
+        wb.finish()
     if OWN_GROUP and dist.is_initialized():
         dist.destroy_process_group()
         OWN_GROUP = False
