@@ -128,22 +128,28 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
 
 
 def plot(run_dirs, out_png):
-    """Training curves of one or several runs (ablations side by side) from their metrics.jsonl."""
+    """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
+    configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = [("eval_success", "held-out success (greedy)"), ("reward", "train reward per agent"),
               ("dlogp", "sampler vs trainer |dlogp|"), ("grad_norm", "grad norm")]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    for n, (label, runs) in enumerate(group_runs(run_dirs, need_config=False).items()):
+        color = f"C{n % 10}"
+        curves = [[(r["step"], r.get("time", 0) / 60, r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
+        if len(runs) == 1:  # one run: its own curve
+            axes[0].plot([m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label)
+        else:  # several seeds: each faint, their mean (at the steps all evaluated) bold
+            for c in curves:
+                axes[0].plot([m for _, m, _ in c], [y for _, _, y in c], color=color, alpha=0.3, linewidth=1)
+            mc = mean_curve(curves)
+            axes[0].plot([m for m, _ in mc], [y for _, y in mc], color=color, linewidth=2.5, label=f"{label} (mean of {len(runs)})")
     for d in run_dirs:
-        path = os.path.join(d, "metrics.jsonl")
-        if not os.path.exists(path):
-            raise SystemExit(f"no metrics.jsonl in {d!r}: pass a train.py --out_dir")
-        rec = [json.loads(l) for l in open(path) if l.strip()]
+        rec = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
         name = os.path.basename(os.path.normpath(d))
         xs = lambda key: [(r.get("time", 0) / 60, r[key]) for r in rec if key in r]
-        ev = xs("eval_success")
-        axes[0].plot([x for x, _ in ev], [y for _, y in ev], marker="o", label=name)
         for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
             v = xs(key)
             axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
@@ -163,22 +169,46 @@ def plot(run_dirs, out_png):
     return out_png
 
 
+def group_runs(run_dirs, need_config=True):
+    """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
+    out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
+    allowed with need_config=False) is a group of its own, labelled by its directory name."""
+    runs = []
+    for d in run_dirs:
+        cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
+        if not os.path.exists(mpath) or (need_config and not os.path.exists(cpath)):
+            raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
+        cfg = None
+        if os.path.exists(cpath):
+            cfg = {k: v for k, v in json.load(open(cpath)).items() if k not in ("seed", "out_dir", "resume", "resolved_policies")}
+        runs.append((d, cfg, [json.loads(l) for l in open(mpath) if l.strip()]))
+    cfgs = [c for _, c, _ in runs if c is not None]
+    varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
+    groups = {}
+    for d, c, rec in runs:
+        label = os.path.basename(os.path.normpath(d)) if c is None else (
+            " ".join(f"--{k} {c.get(k)}" for k in varying) or "(one configuration)")
+        groups.setdefault(label, []).append((d, rec))
+    return groups
+
+
+def mean_curve(curves):
+    """Seeds' held-out curves [(step, minutes, success)] -> [(mean minutes, mean success)] at the steps every seed
+    evaluated (seeds run at different speeds, so steps, not minutes, line them up)."""
+    common = set.intersection(*[{st for st, _, _ in c} for c in curves])
+    out = []
+    for st in sorted(common):
+        pts = [next((m, y) for s2, m, y in c if s2 == st) for c in curves]
+        out.append((sum(m for m, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)))
+    return out
+
+
 def summary(run_dirs, threshold=0.8):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
     per group: seeds, steps, median seconds per step, final held-out success as mean [min-max] over seeds, best, the
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
     (does it stay learned?). Labels are the config values that differ between the runs given."""
-    runs = []
-    for d in run_dirs:
-        paths = [os.path.join(d, f) for f in ("config.json", "metrics.jsonl")]
-        if not all(os.path.exists(x) for x in paths):
-            raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
-        cfg = {k: v for k, v in json.load(open(paths[0])).items() if k not in ("seed", "out_dir", "resume", "resolved_policies")}
-        runs.append((d, cfg, [json.loads(l) for l in open(paths[1]) if l.strip()]))
-    varying = sorted({k for _, c, _ in runs for k in c if any(c.get(k) != c2.get(k) for _, c2, _ in runs)})
-    groups = {}
-    for d, c, rec in runs:
-        groups.setdefault(" ".join(f"--{k} {c.get(k)}" for k in varying) or "(one configuration)", []).append(rec)
+    groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs).items()}
     lines = [f"| configuration | seeds | steps | s/step | final held-out, mean [min-max] | best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
              "|---|---|---|---|---|---|---|---|"]
     for label, recs in groups.items():

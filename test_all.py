@@ -2132,6 +2132,22 @@ def test_games_test_sets_run(torch_agents):
             assert res["n"] == 4 and set(res["per_role"]) == set(E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]])
 
 
+def test_mean_curve_of_seeds_by_hand(tmp_path):
+    """The bold curve of a multi-seed plot: the mean success and mean minutes at the steps every seed evaluated."""
+    a = [(0, 0.0, 0.1), (10, 1.0, 0.5), (20, 2.0, 0.9)]
+    b = [(0, 0.0, 0.3), (10, 2.0, 0.7), (15, 3.0, 0.2), (20, 4.0, 0.5)]
+    got = V.mean_curve([a, b])
+    assert [x for p in got for x in p] == pytest.approx([0.0, 0.2, 1.5, 0.6, 3.0, 0.7])
+    for name, seed in (("s0", 0), ("s1", 1)):  # two seeds of one configuration: one group; plotting them works
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": seed, "out_dir": str(d), "lr": 5e-4}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "time": 60.0 * i, "eval_success": 0.1 * i + seed / 10})
+                                                 + "\n" for i in range(3)))
+    assert list(V.group_runs([str(tmp_path / "s0"), str(tmp_path / "s1")])) == ["(one configuration)"]
+    assert os.path.getsize(V.plot([str(tmp_path / "s0"), str(tmp_path / "s1")], str(tmp_path / "m.png"))) > 10000
+
+
 def test_plot_from_metrics(tmp_path):
     for name, vals in (("a", [0.1, 0.5]), ("b", [0.2, 0.3])):
         d = tmp_path / name
