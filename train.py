@@ -24,6 +24,7 @@ What this script simplifies, and why:
  6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
     valid move strings, never solutions), and trains on a compact Plan-Path (4x4) through the same code path.
 """
+import functools
 import json
 import os
 import random
@@ -325,6 +326,11 @@ def make_rows(samples, pack):
     return rows
 
 
+def minibatch_split(cfg):
+    """--split, or its default: groups with --pack (packing needs whole sibling groups), else strided."""
+    return cfg["split"] or ("groups" if cfg["pack"] else "strided")
+
+
 def split_minibatches(samples, n_mini, how):
     """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree group's K siblings
     spread over the mini-batches and every step sees every env. groups: a group of samples that share a prompt
@@ -373,6 +379,15 @@ def collate(mb, device, flex=None):
     return Batch(*dev[:3], attn, *dev[3:])
 
 
+@functools.cache
+def _block_mask_builder(compiled):
+    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T grid; compiled, it
+    works block by block (torchtitan `torchtitan/models/attention.py` compiles it for the same reason). CPU tests
+    run it eagerly."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask) if compiled else create_block_mask
+
+
 def packed_mask(seg, device, flex):
     """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key is visible if it is
     in the prompt or in the query's own segment (a pad query sees the pads before it, so no row is empty).
@@ -382,15 +397,11 @@ def packed_mask(seg, device, flex):
     per row at the CPU default's ~100 tokens."""
     T = seg.shape[1]
     if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
         sg = seg.to(device)
 
         def visible(b, h, q, k):
             return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
-        # eager create_block_mask evaluates `visible` on the dense B x T x T grid; compiled, it works block by block
-        # (torchtitan `torchtitan/models/attention.py` compiles it for the same reason). CPU tests run it eagerly.
-        make = torch.compile(create_block_mask) if torch.device(device).type == "cuda" else create_block_mask
-        return make(visible, seg.shape[0], None, T, T, device=device)
+        return _block_mask_builder(torch.device(device).type == "cuda")(visible, seg.shape[0], None, T, T, device=device)
     i = torch.arange(T)
     sq, sk = seg[:, :, None], seg[:, None, :]
     return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
@@ -418,9 +429,8 @@ def row_logprobs(model, b, cfg):
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
     """PPO-clip on this rank's samples of one policy. Token-mean over the whole optimizer step across ranks."""
     n_mini = cfg["minibatches"]
-    how = cfg["split"] or ("groups" if cfg["pack"] else "strided")
     samples = [s for s in samples if s.response_ids]
-    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, how)]
+    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, minibatch_split(cfg))]
     rows = [r for c in chunks for r in c]
     stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0, rows=len(rows),
                  trained_tokens=float(sum(len(r.ids) for r in rows)))
@@ -547,7 +557,7 @@ def configure(argv):
             import wandb  # noqa: F401
         except ImportError:
             raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    cfg["split"] = cfg["split"] or ("groups" if cfg["pack"] else "strided")
+    cfg["split"] = minibatch_split(cfg)
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
                          "use --split groups")
@@ -684,7 +694,7 @@ def resolve_policies(cfg):
                                  "value, or --policies per_role")
         name = "+".join(rs)
         pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
-                           *(vals[k].pop() for k in PER_ROLE)))
+                           **{k: vals[k].pop() for k in PER_ROLE}))
     return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
 
 
