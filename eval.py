@@ -255,7 +255,7 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "k": (None, "samples per problem: 4 for math (avg@4, pass@4), else 1"),
     "temperature": (None, "0.6 for math, else 0 (greedy)"),
     "split": ("test", "only the test split is evaluated here"),
-    "limit": (None, "evaluate the first N instances only"),
+    "limit": (None, "evaluate the first N instances only (default: all; games: 200 test seeds for tiny models, as train.py, else 100)"),
     "turns": (4, "max turns per episode"),
     "engine": ("vllm", "vllm | torch (the pure-torch sampler)"),
     "out": (None, "write OUT.json and OUT.md (with --plot: the png)"),
@@ -349,7 +349,9 @@ def main(argv):
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
     max_new = int(a["max_new_tokens"] or (8 if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
-    test_envs = E.test_set(task, n=100, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
+    import train as T  # the game test set train.py evaluates on: its eval_n default for this model size
+    n_games = T.DEFAULTS["tiny" if tiny else "real"]["eval_n"]
+    test_envs = E.test_set(task, n=n_games, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
 
     from transformers import AutoTokenizer
     from rollout import Agents, make_engine

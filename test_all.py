@@ -1784,6 +1784,27 @@ def test_eta_respects_the_time_limit():
     assert T.eta_seconds({"steps": 400, "time_limit_min": 1.0}, 12, 12, 72.0) == pytest.approx(6)
 
 
+def test_lr_schedule_matches_torch_schedulers():
+    """--lr_decay D: constant for the first (1 - D) of --steps, then a half cosine to --lr_min x lr, checked step by
+    step against torch's own ConstantLR + CosineAnnealingLR chain (an independent implementation); 0 = constant."""
+    import train as T
+    for steps, decay, lr_min in ((250, 0.5, 0.1), (7, 0.4, 0.0), (10, 1.0, 0.2)):
+        cfg = {"steps": steps, "lr_decay": decay, "lr_min": lr_min}
+        start = round(steps * (1 - decay))
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=start),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - start, eta_min=lr_min)], milestones=[start])
+        for step in range(steps):
+            assert T.lr_factor(cfg, step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-9), (steps, step)
+            opt.step()
+            sched.step()
+        assert T.lr_factor(cfg, steps - 1) > lr_min  # the last step still moves; the floor is reached at --steps
+    assert all(T.lr_factor({"steps": 9, "lr_decay": 0.0, "lr_min": 0.1}, s) == 1.0 for s in range(9))
+    with pytest.raises(SystemExit, match="lr_decay"):
+        T.configure(["--lr_decay", "1.5"])
+
+
 def test_wandb_logs_what_metrics_jsonl_holds(tmp_path, monkeypatch):
     """--wandb PROJECT: every metrics line's numbers go to wandb.log at its step (a stand-in module records them);
     without the package the run stops at once with the install command."""

@@ -26,6 +26,7 @@ What this script simplifies, and why:
 """
 import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -59,6 +60,8 @@ envs_per_step = None       # E, env instances per step over all ranks (paper 128
 minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2); per role: tool=2,plan=4
 steps = None               # training steps (paper ~400)
 lr = None                  # AdamW learning rate (paper 1e-6, constant); per role: --lr tool=1e-6,plan=2e-6
+lr_decay = None            # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant (paper)
+lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
 weight_decay = 0.01        # AdamW's decoupled weight decay
 grad_clip = 1.0            # clip each optimizer step's gradient to this global norm
 eps_low = 0.2              # PPO clip range below 1
@@ -78,7 +81,7 @@ engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler) | sc
 seed = 0                   # seeds the tiny base, the envs, sampling and the adapters' initialisation
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/; the tiny base is cached next to it
 eval_every = None          # held-out evaluation every N steps (0 = never); also at step 0 and at the end
-eval_n = 100               # held-out instances (games: fixed test seeds; code/math: first N of the test files)
+eval_n = None              # held-out instances (games: fixed test seeds; code/math: first N of the test files)
 ckpt_every = None          # checkpoint every N steps
 resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
@@ -100,10 +103,10 @@ tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
 DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
-    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
+    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, lr_decay=0.0, eval_n=100, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
                  max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0,
                  grad_checkpoint=True, tis_cap=2.0, gpu_memory_utilization=0.5),
-    "tiny": dict(turns=4, envs_per_step=16, steps=400, lr=5e-4, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
+    "tiny": dict(turns=4, envs_per_step=16, steps=250, lr=5e-4, lr_decay=0.5, eval_n=200, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
                  max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0,
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
@@ -138,7 +141,7 @@ def parse_flags(argv, cfg):
     if "--help" in argv or "-h" in argv:
         print(usage())
         raise SystemExit(0)
-    types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "max_new_tokens": int, "max_prompt_tokens": int,
+    types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "lr_decay": float, "eval_n": int, "max_new_tokens": int, "max_prompt_tokens": int,
              "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int,
              "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
     i = 0
@@ -558,6 +561,8 @@ def configure(argv):
         except ImportError:
             raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
     cfg["split"] = minibatch_split(cfg)
+    if not (0 <= cfg["lr_decay"] <= 1 and 0 <= cfg["lr_min"] <= 1):
+        raise SystemExit("--lr_decay (a fraction of --steps) and --lr_min (a fraction of --lr) must lie in [0, 1]")
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
                          "use --split groups")
@@ -781,6 +786,17 @@ def distinct_engines(engines):
     return out
 
 
+def lr_factor(cfg, step):
+    """The lr of optimizer step `step` (0-based training step) as a fraction of --lr: constant, then over the last
+    --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay without the warmup: the fast early
+    learning of a constant lr, and small late steps so that a learned policy stops swinging; README)."""
+    start = round(cfg["steps"] * (1 - cfg["lr_decay"]))
+    if not cfg["lr_decay"] or step < start:
+        return 1.0
+    t = min(1.0, (step - start) / max(1, cfg["steps"] - start))
+    return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
+
+
 def eta_seconds(cfg, step, done_steps, elapsed):
     """Seconds left: the remaining steps at this run's pace, or what is left of --time_limit_min if that ends first
     (plus one step: the limit is checked after a step)."""
@@ -932,6 +948,9 @@ def main(argv):
             for e in distinct_engines(engines):
                 e.sleep()
         t1 = time.time()
+        for p in range(n_pol):  # the schedule is a function of the step alone, so a resumed run follows it exactly
+            for g in opts[p].param_groups:
+                g["lr"] = pols[p].lr * lr_factor(cfg, step)
         pstats = [update_policy(use_policy(models, pols, p), opts[p], [s for s in kept if s.policy == p],
                                 {**cfg, **{k: getattr(pols[p], k) for k in PER_ROLE}}, world, device, refs[p])
                   for p in range(n_pol)]
@@ -970,6 +989,7 @@ def main(argv):
                 print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
                       f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights (--sync)?", flush=True)
             rec[f"grad_norm_p{p}"] = st["grad_norm"]
+            rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
             if cfg["kl_coef"]:
                 rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
