@@ -379,6 +379,18 @@ class Sokoban(GridGame):
                 break
         self.size, self.walls, self.goal, self.box, self.player, self.moves = size, walls, goal, box, player, 0
 
+    def summary(self):
+        """Compact mode's extra line, as Plan-Path's: the box's offset from the player, the goal's offset from the
+        box, and what each move meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a wall),
+        e.g. '+1+0 +0-2 U.D$L#R.'. Same information as the room, in a form a tiny model learns from in minutes."""
+        (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
+        cells = ""
+        for a, (dr, dc) in MOVES.items():
+            q = (pr + dr, pc + dc)
+            cells += a + ("#" if q in self.walls else ("$" if self.move((self.player, self.box), a) else "x")
+                          if q == self.box else ".")
+        return f"{br - pr:+d}{bc - pc:+d} {gr - br:+d}{gc - bc:+d} {cells}"
+
     def rules(self):
         return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "
                 "a box one cell if the cell behind it is free; you cannot pull.")
@@ -500,6 +512,31 @@ class Sudoku(GridGame):
             if len(sudoku_solutions(puzzle)) != 1:
                 puzzle[r][c] = keep
         self.clues, self.grid = puzzle, [row[:] for row in puzzle]
+
+    def summary(self):
+        """Compact mode's view: one character per cell in reading order, the digit of a filled cell, or for an empty
+        cell the set of digits its row, column and box still allow, as a letter (bitmask - 1: a={1}, b={2}, c={1,2},
+        d={3}, ..., h={4}, ..., o={1,2,3,4}; '!' none left), e.g. '1d3b4hcc...'. Same information as the grid (the
+        candidates follow from it), aligned with the 16-digit answer, so a tiny model learns it in minutes."""
+        out = ""
+        for r in range(4):
+            for c in range(4):
+                if self.grid[r][c]:
+                    out += str(self.grid[r][c])
+                    continue
+                mask = sum(1 << (v - 1) for v in range(1, 5) if self.legal(self.grid, r, c, v))
+                out += chr(ord("a") + mask - 1) if mask else "!"
+        return out
+
+    def observe(self, role):
+        """Compact mode: the view line last (a fixed distance from the answer that it aligns with), after the tool
+        agent's grid and its simulated verdict for the plan agent."""
+        if not self.compact:
+            return super().observe(role)
+        c = self.summary()
+        if role == "plan" and "tool" in self.roles:
+            c = f"{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}\n" + c
+        return [{"role": "user", "content": c}]
 
     def rules(self):
         return ("Fill the 4x4 Sudoku (0 = empty) with 1-4 so that every row, column and 2x2 box holds each digit "
@@ -986,6 +1023,8 @@ TASKS = {
                        "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
 }
 COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": {}, "sudoku": {}}
+# the compact answer's length in tokens of the tiny byte-level tokenizer, end of turn included (the response budget)
+COMPACT_ANSWER_TOKENS = {"plan": 8, "sokoban": 8, "sudoku": 17}
 
 
 def check_task(task, workflow="mas"):

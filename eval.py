@@ -261,7 +261,7 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "out": (None, "write OUT.json and OUT.md (with --plot: the png)"),
     "files": ([], "code/math: test jsonl files (shipped paths or your own in the same schema); default: all of the task's"),
     "compact": (None, "true/false: the compact game prompts; default: true for tiny models"),
-    "max_new_tokens": (None, "response budget per call: 8 for tiny models, else 4096"),
+    "max_new_tokens": (None, "response budget per call: the compact answer's length for tiny models (8; Sudoku 17), else 4096"),
     "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192"),
     "plot": ([], "RUN_DIR ...: training curves of train.py runs into --out (default curves.png)"),
     "summary": ([], "RUN_DIR ...: a multi-seed markdown table of train.py runs, grouped by configuration"),
@@ -347,7 +347,7 @@ def main(argv):
     cfg = json.load(open(os.path.join(next(iter(paths.values())), "config.json")))
     tiny = cfg.get("vocab_size", 0) < 1000
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
-    max_new = int(a["max_new_tokens"] or (8 if tiny else 4096))
+    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, 8) if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
     import train as T  # the game test set train.py evaluates on: its eval_n default for this model size
     n_games = T.DEFAULTS["tiny" if tiny else "real"]["eval_n"]

@@ -861,6 +861,80 @@ def test_sokoban_hand_rewards():
     assert env.clone().step("plan", "#### [\"R\", \"R\"]") == pytest.approx(expect)
 
 
+def test_compact_sokoban_summary_says_what_each_move_does():
+    """The compact Sokoban line (offsets player->box and box->goal, then per move '.' walk, '#' wall, '$' push,
+    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; one by hand."""
+    rng = random.Random(0)
+    for env in E.test_set("sokoban", n=100, compact=True):
+        e = env.clone()
+        for _ in range(6):
+            off_box, off_goal, cells = e.summary().split()
+            (pr, pc), (br, bc), (gr, gc) = e.player, e.box, e.goal
+            assert off_box == f"{br - pr:+d}{bc - pc:+d}" and off_goal == f"{gr - br:+d}{gc - bc:+d}"
+            for a, sym in zip(cells[0::2], cells[1::2]):
+                dr, dc = STEP[a]
+                q = (pr + dr, pc + dc)
+                behind = (q[0] + dr, q[1] + dc)
+                want = "#" if q in e.walls else (("x" if behind in e.walls else "$") if q == e.box else ".")
+                assert sym == want, (e.board(), a)
+            e.apply([rng.choice("UDLR")])
+            if e.box == e.goal:
+                break
+        assert e.observe("tool")[0]["content"].endswith(e.summary())
+    e = E.make_env("sokoban", seed=0, compact=True)
+    e.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
+    e.player, e.box, e.goal = (2, 1), (2, 2), (2, 4)
+    assert e.summary() == "+0+1 +0+2 U.D.L#R$"
+    e.player, e.box = (1, 2), (1, 3)
+    e.walls.add((1, 4))
+    assert e.summary() == "+0+1 +1+1 U#D.L.Rx"
+
+
+def test_compact_sudoku_view_lists_each_cells_candidates():
+    """The compact Sudoku line: a filled cell's digit, an empty cell's candidate set as a bitmask letter. Checked
+    against a brute-force candidate set (place v, is every row, column and box still duplicate-free?) and the unique
+    solution (always among its cell's candidates). And it is enough: answering each turn with the single-candidate
+    cells (0 elsewhere) through env.step solves every test puzzle within 5 turns, most within the 4 of an episode."""
+    def dup_free(g):
+        units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
+        units += [[g[r][c] for r in (br, br + 1) for c in (bc, bc + 1)] for br in (0, 2) for bc in (0, 2)]
+        return all(len([v for v in u if v]) == len({v for v in u if v}) for u in units)
+    within = {4: 0, 5: 0}
+    tests = E.test_set("sudoku", n=200, compact=True)
+    for env in tests:
+        sol = solve_sudoku(env.clues)[0]
+        e = env.clone()
+        for turn in range(1, 6):
+            view = e.summary()
+            assert len(view) == 16 and e.observe("tool")[0]["content"] == view
+            answer = ""
+            for k, ch in enumerate(view):
+                r, c = divmod(k, 4)
+                if e.grid[r][c]:
+                    assert ch == str(e.grid[r][c])
+                    answer += "0"
+                    continue
+                cands = set()
+                for v in range(1, 5):
+                    g = [row[:] for row in e.grid]
+                    g[r][c] = v
+                    if dup_free(g):
+                        cands.add(v)
+                assert ch == chr(ord("a") + sum(1 << (v - 1) for v in cands) - 1) and sol[r][c] in cands
+                answer += str(next(iter(cands))) if len(cands) == 1 else "0"
+            e.step("plan", answer)
+            e.end_turn()
+            if e.success:
+                for t in within:
+                    within[t] += turn <= t
+                break
+        assert e.success
+    assert within[5] == len(tests) and within[4] >= 0.8 * len(tests), within
+    e = tests[0].clone()
+    e.step("tool", "1" * 16)
+    assert e.observe("plan")[0]["content"] == "1" * 16 + "=no\n" + e.summary()
+
+
 def test_sudoku_unique_and_clues_enforced():
     for env in E.test_set("sudoku", n=100):
         sols = solve_sudoku(env.clues)

@@ -73,7 +73,7 @@ branch = "greedy"          # greedy: the argmax branch continues (paper); random
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
 temperature = 1.0          # training sampling temperature; the trainer divides logits by it too
 top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
-max_new_tokens = None      # response budget per call
+max_new_tokens = None      # response budget per call (tiny: the compact answer's length, envs.COMPACT_ANSWER_TOKENS)
 max_prompt_tokens = None   # observation budget per call (head and tail are kept)
 max_model_len = None       # engine context
 micro_batch_tokens = None  # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
@@ -238,8 +238,8 @@ def gather(obj, world=None):
 
 
 def random_answer(task, rng):
-    if task == "sudoku":
-        return "".join(str(rng.randint(1, 4)) for _ in range(16))
+    if task == "sudoku":  # 16 cells, 0 = "no answer for this cell"
+        return "".join(str(rng.randint(0, 4)) for _ in range(16))
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, 4)))
 
 
@@ -550,6 +550,8 @@ def configure(argv):
     tiny = is_tiny(cfg)
     if cfg["policies"] == "lora" and cfg["lr"] is None:  # adapters want ~10x the full model's rate ("LoRA Without Regret")
         cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
+    if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
+        cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
     for k, v in DEFAULTS["tiny" if tiny else "real"].items():
         if cfg[k] is None:
             cfg[k] = v
