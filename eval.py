@@ -205,17 +205,20 @@ def mean_curve(curves):
 
 def summary(run_dirs, threshold=0.8):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
-    per group: seeds, steps, median seconds per step, final held-out success as mean [min-max] over seeds, best, the
+    per group: seeds, steps, median seconds per step, the untrained model's held-out success (the step-0 evaluation),
+    final held-out success as mean [min-max] over seeds and its ratio to the untrained one, best, the
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
     (does it stay learned?). Labels are the config values that differ between the runs given."""
     groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs).items()}
-    lines = [f"| configuration | seeds | steps | s/step | final held-out, mean [min-max] | best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| configuration | seeds | steps | s/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
+             f"| best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, recs in groups.items():
-        finals, bests, firsts, lows, steps, sps = [], [], [], [], [], []
+        finals, bases, bests, firsts, lows, steps, sps = [], [], [], [], [], [], []
         for rec in recs:
             ev = [(r.get("time", 0.0) / 60, r["eval_success"]) for r in rec if "eval_success" in r]
             finals.append(ev[-1][1] if ev else float("nan"))
+            bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
             bests.append(max((y for _, y in ev), default=float("nan")))
             hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
             firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}")
@@ -224,8 +227,10 @@ def summary(run_dirs, threshold=0.8):
             ts = sorted(r["t_step"] for r in rec if "t_step" in r)
             sps.append(ts[len(ts) // 2] if ts else float("nan"))
         n = len(recs)
-        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {sum(finals) / n:.2f} "
-                     f"[{min(finals):.2f}-{max(finals):.2f}] | {sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
+        base, final = sum(bases) / n, sum(finals) / n
+        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {base:.2f} | {final:.2f} "
+                     f"[{min(finals):.2f}-{max(finals):.2f}] | {final / base if base else float('inf'):.1f}x | "
+                     f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
     return "\n".join(lines)
 
 

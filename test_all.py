@@ -2165,7 +2165,8 @@ import eval as V
 
 def test_summary_table_of_seeds_by_hand(tmp_path):
     """eval.py --summary groups runs by the config values that differ (not the seed) and reports the final held-out
-    mean [min-max], the best, the first time >= 0.8 and the lowest evaluation after it, per seed."""
+    mean [min-max], the untrained (step-0) mean and final/untrained, the best, the first time >= 0.8 and the lowest
+    evaluation after it, per seed."""
     def run(name, pack, seed, evals):
         d = tmp_path / name
         d.mkdir()
@@ -2177,8 +2178,8 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
             run("a1", True, 1, [(0, 0, 0.1), (10, 1.5, 0.5), (20, 3, 0.7)]),
             run("b0", False, 0, [(0, 0, 0.2), (5, 2, None), (10, 4, 0.8)])]
     table = V.summary(dirs).splitlines()
-    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.80 [0.70-0.90] | 0.80 | 1.0, never | 0.60, - |"
-    assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.80 [0.80-0.80] | 0.80 | 4.0 | 0.80 |"
+    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
+    assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
 
 
 def test_pass_and_avg_at_k_brute_force():

@@ -106,7 +106,7 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
     "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, lr_decay=0.0, eval_n=100, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
                  max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0,
                  grad_checkpoint=True, tis_cap=2.0, gpu_memory_utilization=0.5),
-    "tiny": dict(turns=4, envs_per_step=16, steps=250, lr=5e-4, lr_decay=0.5, eval_n=200, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
+    "tiny": dict(turns=4, envs_per_step=16, steps=250, lr=5e-4, lr_decay=1.0, eval_n=200, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
                  max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0,
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
