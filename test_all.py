@@ -1856,6 +1856,8 @@ def test_eta_respects_the_time_limit():
     assert T.eta_seconds({"steps": 400, "time_limit_min": 0.0}, 10, 10, 60.0) == pytest.approx(390 * 6)
     assert T.eta_seconds({"steps": 20, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(10 * 6)
     assert T.eta_seconds({"steps": 400, "time_limit_min": 1.0}, 12, 12, 72.0) == pytest.approx(6)
+    # resumed after 10 minutes of training: this process did 10 steps in 60 s, the run has used 11 of its 15 minutes
+    assert T.eta_seconds({"steps": 400, "time_limit_min": 15.0}, 110, 10, 60.0, 660.0) == pytest.approx(900 - 660 + 6)
 
 
 def test_lr_schedule_matches_torch_schedulers():
@@ -2151,6 +2153,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
     a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
     assert len(a) == len(b) == 5
+    times = [json.loads(l)["time"] for l in open(tmp_path / "b" / "metrics.jsonl")]
+    assert times == sorted(times) and times[3] > times[2] > 0  # training minutes go on across the resume
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in x:

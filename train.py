@@ -488,7 +488,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 # checkpoints: HF folders per policy (transformers and vLLM load them as they are) + sharded resumable state (DCP)
 
 
-def save_checkpoint(out, step, models, opts, pols, tok, rank, world, metrics_path, export_dtype=None):
+def save_checkpoint(out, step, models, opts, pols, tok, rank, world, metrics_path, export_dtype=None, elapsed=0.0):
     """Per policy: ckpt/policy-{name}, an HF export, streamed (one gathered tensor at a time, rank 0 writes; LoRA: the
     base merged with the policy's adapter, so transformers, vLLM and eval.py load it as it is) and with LoRA
     ckpt/adapter-{name}, the adapter alone as a PEFT folder; ckpt/train-{name}: the trainable state and its optimizer
@@ -513,7 +513,7 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, world, metrics_pat
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
-        torch.save({"step": step, "metrics_lines": n_lines}, os.path.join(ck, "state.pt"))
+        torch.save({"step": step, "metrics_lines": n_lines, "time": elapsed}, os.path.join(ck, "state.pt"))
         final = os.path.join(out, "ckpt")
         shutil.rmtree(final + ".old", ignore_errors=True)
         if os.path.exists(final):
@@ -799,13 +799,15 @@ def lr_factor(cfg, step):
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def eta_seconds(cfg, step, done_steps, elapsed):
-    """Seconds left: the remaining steps at this run's pace, or what is left of --time_limit_min if that ends first
-    (plus one step: the limit is checked after a step)."""
+def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
+    """Seconds left: the remaining steps at this process's pace (`done_steps` in `elapsed` s), or what is left of
+    --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
+    run's training time `run_elapsed` (a resumed run's included)."""
     per_step = elapsed / max(1, done_steps)
     left = (cfg["steps"] - step) * per_step
     if cfg["time_limit_min"]:
-        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - elapsed) + per_step)
+        used = elapsed if run_elapsed is None else run_elapsed
+        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
     return left
 
 
@@ -862,10 +864,10 @@ def main(argv):
                 build_tiny_base(tiny_base(p.base), cfg["task"], cfg, p.base)
         if world > 1:
             dist.barrier()
-    start_step = 0
+    start_step, t_before = 0, 0.0
     if cfg["resume"]:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        start_step = state["step"]
+        start_step, t_before = state["step"], state.get("time", 0.0)  # training seconds before the checkpoint
     if master:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -920,7 +922,8 @@ def main(argv):
         if wb is not None:
             wb.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
 
-    t_start = time.time()
+    t_proc = time.time()
+    t_start = t_proc - t_before  # "time" in the log and --time_limit_min count the whole run's training, across resumes
     last = start_step
     if start_step == 0 and cfg["eval_every"]:
         r = run_eval(0)
@@ -1000,7 +1003,7 @@ def main(argv):
             for k in mem:
                 rec[k] = max(x["mem"][k] for x in allr)
         done_steps = step + 1 - start_step
-        eta = eta_seconds(cfg, step + 1, done_steps, time.time() - t_start)
+        eta = eta_seconds(cfg, step + 1, done_steps, time.time() - t_proc, time.time() - t_start)
         if master:
             rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
             pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
@@ -1020,7 +1023,7 @@ def main(argv):
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
             for e in distinct_engines(engines):
                 e.sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
-            save_checkpoint(out, last, models, opts, pols, tok, rank, world, metrics_path, export_dtype)
+            save_checkpoint(out, last, models, opts, pols, tok, rank, world, metrics_path, export_dtype, time.time() - t_start)
         cuda_peak_gib()
         if out_of_time:
             if master:
