@@ -2062,6 +2062,9 @@ loss = T.all_sum([st["loss"], st["tokens"]], world)
 state = M.hf_state_dict(m)
 if rank == 0:
     torch.save({"loss": loss[0], "tokens": loss[1], "grad_norm": st["grad_norm"], "state": state}, os.environ["OUTF"])
+if world > 1:  # gloo's threads must stop before interpreter exit ("terminate called without an active exception", once)
+    dist.barrier()
+    dist.destroy_process_group()
 '''
 
 
