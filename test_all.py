@@ -2068,6 +2068,31 @@ if world > 1:  # gloo's threads must stop before interpreter exit ("terminate ca
 '''
 
 
+STOP_WORKER = r'''
+import os, sys, torch.distributed as dist
+sys.path.insert(0, os.environ["HERE"])
+import train as T
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = {"time_limit_min": 1.0}
+late = T.out_of_time_all(cfg, 61.0 if rank == 1 else 59.0, 2)  # only rank 1's clock is past the limit
+early = T.out_of_time_all(cfg, 59.0, 2)
+off = T.out_of_time_all({"time_limit_min": 0.0}, 1e9, 2)
+open(os.environ["OUTF"] + str(rank), "w").write(f"{late} {early} {off}")
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_time_limit_stops_every_rank_together(tmp_path):
+    """--time_limit_min with several ranks: when one rank's clock passes the limit, all ranks stop after that step
+    (each used to decide alone: one rank breaks, the other runs a step and hangs in its collectives)."""
+    (tmp_path / "w.py").write_text(STOP_WORKER)
+    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29547", str(tmp_path / "w.py")],
+         env_extra={"HERE": HERE, "OUTF": str(tmp_path / "r")})
+    assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False"] * 2
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, packed):
     """Two FSDP2 ranks with uneven sample counts equal one process; packed: sibling groups trained as packed rows on

@@ -799,6 +799,13 @@ def lr_factor(cfg, step):
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def out_of_time_all(cfg, elapsed, world):
+    """--time_limit_min reached on any rank: every rank must stop after the same step (each reads its own clock, and
+    a rank that ran one more step than the others would wait in its collectives until the NCCL timeout)."""
+    mine = bool(cfg["time_limit_min"]) and elapsed > 60 * cfg["time_limit_min"]
+    return bool(all_max(int(mine), world))
+
+
 def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
     """Seconds left: the remaining steps at this process's pace (`done_steps` in `elapsed` s), or what is left of
     --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
@@ -1013,7 +1020,7 @@ def main(argv):
                   f"{pol} | {n_s} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
                   f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m", flush=True)
         last = step + 1
-        out_of_time = cfg["time_limit_min"] and (time.time() - t_start) > 60 * cfg["time_limit_min"]
+        out_of_time = out_of_time_all(cfg, time.time() - t_start, world)
         final = last == cfg["steps"] or out_of_time
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             r = run_eval(last)
