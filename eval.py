@@ -229,7 +229,7 @@ def summary(run_dirs, threshold=0.8):
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
         lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {base:.2f} | {final:.2f} "
-                     f"[{min(finals):.2f}-{max(finals):.2f}] | {final / base if base else float('inf'):.1f}x | "
+                     f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
                      f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
     return "\n".join(lines)
 

@@ -2209,6 +2209,7 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     dirs = [run("a0", True, 0, [(0, 0, 0.1), (10, 1, 0.85), (20, 2, 0.6), (30, 3, 0.9)]),
             run("a1", True, 1, [(0, 0, 0.1), (10, 1.5, 0.5), (20, 3, 0.7)]),
             run("b0", False, 0, [(0, 0, 0.2), (5, 2, None), (10, 4, 0.8)])]
+    assert V.summary([run("z0", None, 0, [(0, 0, 0.0), (10, 1, 0.0)])]).splitlines()[2].split(" | ")[6] == "-"  # 0/0
     table = V.summary(dirs).splitlines()
     assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
     assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
