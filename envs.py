@@ -239,11 +239,15 @@ class GridGame:
     def end_turn(self):
         self.turn += 1
 
+    def tool_line(self):
+        """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the simulated verdict."""
+        return f"{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}"
+
     def observe(self, role):
         if self.compact:
             c = self.board() + (("\n" + self.summary()) if hasattr(self, "summary") else "")
             if role == "plan" and "tool" in self.roles:
-                c += f"\n{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}"
+                c += "\n" + self.tool_line()
             return [{"role": "user", "content": c}]
         fmt = self.answer_fmt
         task = f"{self.rules()}\n\nCurrent state (turn {self.turn + 1}):\n{self.board()}"
@@ -535,7 +539,7 @@ class Sudoku(GridGame):
             return super().observe(role)
         c = self.summary()
         if role == "plan" and "tool" in self.roles:
-            c = f"{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}\n" + c
+            c = self.tool_line() + "\n" + c
         return [{"role": "user", "content": c}]
 
     def rules(self):

@@ -352,9 +352,9 @@ def main(argv):
     cfg = json.load(open(os.path.join(next(iter(paths.values())), "config.json")))
     tiny = cfg.get("vocab_size", 0) < 1000
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
-    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, 8) if tiny else 4096))
+    import train as T  # train.py's defaults for this model size: the answer budget and the games' test set
+    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, T.DEFAULTS["tiny"]["max_new_tokens"]) if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
-    import train as T  # the game test set train.py evaluates on: its eval_n default for this model size
     n_games = T.DEFAULTS["tiny" if tiny else "real"]["eval_n"]
     test_envs = E.test_set(task, n=n_games, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
 
