@@ -890,6 +890,19 @@ def test_compact_sokoban_summary_says_what_each_move_does():
     assert e.summary() == "+0+1 +1+1 U#D.L.Rx"
 
 
+def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
+    """The tiny default's response budget holds each compact game's answer and the end of turn in the tiny tokenizer
+    (Sudoku's 16 digits did not fit the old budget of 8, so compact Sudoku could never be answered)."""
+    from transformers import AutoTokenizer
+    import train as T
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    rng = random.Random(0)
+    for task in ("plan", "sokoban", "sudoku"):
+        budget = T.configure(["--task", task])["max_new_tokens"]
+        longest = max(len(tok.encode(T.random_answer(task, rng), add_special_tokens=False)) for _ in range(50))
+        assert longest + 1 <= budget, (task, longest, budget)
+
+
 def test_compact_sudoku_view_lists_each_cells_candidates():
     """The compact Sudoku line: a filled cell's digit, an empty cell's candidate set as a bitmask letter. Checked
     against a brute-force candidate set (place v, is every row, column and box still duplicate-free?) and the unique
