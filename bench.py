@@ -7,7 +7,7 @@ is a median over repeats, reported as a ratio against a reference measured in th
     python bench.py sandbox    # sandbox executions/s: a trivial program and a typical CodeContests test, with and without bubblewrap
     python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
     python bench.py train      # the CPU default's update: packed rows (prompt once per sibling group) vs one row per sample
-    python bench.py gpu        # CUDA only: bf16 parity vs transformers, and fwd+bwd throughput/MFU of Qwen3-1.7B at 4096
+    python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd throughput/MFU of Qwen3-1.7B at 4096, the real update
 """
 import json
 import os
@@ -178,39 +178,61 @@ def bench_train(n_rollouts=3, repeats=5):
                       "packed_over_unpacked": statistics.median(res[True]) / statistics.median(res[False])}))
 
 
-def bench_gpu():
-    """CUDA only. (1) bf16 parity of our Qwen3 vs transformers on a 4-layer 1.7B-shaped random model; (2) fwd+bwd+AdamW
-    throughput and MFU of the full Qwen3-1.7B shape at sequence length 4096 through the training path (FSDP2 with the
-    bf16 param / fp32 reduce policy on a 1-rank NCCL group), eager and per-block compiled, with and without activation
-    checkpointing, each with its peak memory next to memory.py's estimate for the same micro-batch."""
+def bench_gpu(parts="parity,step,update"):
+    """CUDA only (`python bench.py gpu [parity,step,update]`). (1) parity: bf16 forward of our Qwen3 and of
+    transformers, each against transformers in fp32, on a 4-layer 1.7B-shaped random model, and a control with a
+    planted bug (RoPE base 1e4 instead of 1e6) to show the metric separates; (2) step: fwd+bwd+AdamW throughput and
+    MFU of the full Qwen3-1.7B shape at sequence length 4096 through FSDP2 (bf16 param / fp32 reduce, 1-rank NCCL
+    group), eager and per-block compiled, with and without activation checkpointing, each with its peak memory next to
+    memory.py's estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a
+    paper-shaped batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
     assert torch.cuda.is_available(), "bench.py gpu needs CUDA"
-    import torch.distributed as dist
-    import memory
+    import train as T
+    T.setup_dist()  # a 1-rank NCCL group, as a lone-GPU training run makes
+    peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H100 SXM dense bf16
+    parts = parts.split(",")
+    if "parity" in parts:
+        gpu_parity()
+    if "step" in parts:
+        gpu_step(peak)
+    if "update" in parts or "pack" in parts:  # "pack": the packed layout alone
+        gpu_update(peak, packs=(False, True) if "update" in parts else (True,))
+
+
+def gpu_parity():
     from transformers import Qwen3ForCausalLM
-    d = tempfile.mkdtemp()
     cfg = M.Qwen3Config(**{**M.SIZES["1.7B"], "num_hidden_layers": 4})
     torch.manual_seed(0)
-    ours = M.Qwen3(cfg)
-    ours.init_weights(0.02)
-    M.save_model(ours, d)
-    hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
-    ours = ours.to(torch.bfloat16).cuda().eval()
+    m = M.Qwen3(cfg)
+    m.init_weights(0.02)
+    d = tempfile.mkdtemp()
+    M.save_model(m, d)
     x = torch.randint(0, cfg.vocab_size, (2, 512), device="cuda")
     with torch.no_grad():
-        a, b = ours(x).float(), hf(x).logits.float()
-        lp_ours = M.token_logprobs(ours, x[:, :-1], x[:, 1:])
-        lp_hf = b[:, :-1].log_softmax(-1).gather(-1, x[:, 1:, None])[..., 0]
-    print(json.dumps({"bench": "bf16 CUDA parity, 4-layer 1.7B-shaped, 2x512", "max_abs_dlogit": (a - b).abs().max().item(),
-                      "mean_abs_dlogit": (a - b).abs().mean().item(), "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-                      "mean_abs_dlogp": (lp_ours - lp_hf).abs().mean().item()}), flush=True)
-    del hf, ours
+        ref = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+        r = ref(x).logits
+        del ref
+        hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        outs = {"transformers bf16": hf(x).logits.float()}
+        del hf
+        ours = m.to(torch.bfloat16).cuda().eval()
+        outs["ours bf16"] = ours(x).float()
+        ours.model.rotary.theta = 1e4  # the planted bug
+        ours.model.rotary.reset()
+        outs["ours bf16, RoPE base 1e4 (planted bug)"] = ours(x).float()
+    for name, a in outs.items():
+        print(json.dumps({"bench": f"bf16 CUDA parity vs transformers fp32, 4-layer 1.7B-shaped, 2x512: {name}",
+                          "rel_err": ((a - r).norm() / r.norm()).item(), "max_abs_dlogit": (a - r).abs().max().item(),
+                          "argmax_agree": (a.argmax(-1) == r.argmax(-1)).float().mean().item()}), flush=True)
+    del ours
     torch.cuda.empty_cache()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def gpu_step(peak):
+    import memory
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
-    T, B = 4096, 2
-    x = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
-    peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H100 SXM dense bf16
+    Tn, B = 4096, 2
+    x = torch.randint(0, cfg.vocab_size, (B, Tn), device="cuda")
     for compiled, ckpt in ((False, True), (False, False), (True, True)):
         torch.manual_seed(0)
         m = M.Qwen3(cfg)
@@ -230,15 +252,73 @@ def bench_gpu():
         torch.cuda.reset_peak_memory_stats()
         s = timeit(step, 5)
         mem = torch.cuda.max_memory_allocated() / 2 ** 30
-        plan = memory.plan(cfg, world=1, gpu_gb=80, n_policies=1, micro_batch_tokens=B * T, grad_checkpoint=ckpt, engine="torch", rows=0)
+        plan = memory.plan(cfg, world=1, gpu_gb=80, n_policies=1, micro_batch_tokens=B * Tn, grad_checkpoint=ckpt, engine="torch", rows=0)
         est = plan["totals"]["train"] - memory.CONTEXT_GIB - plan["rows"][1][1]["train"]  # allocator only, no engine
-        tok_s = B * (T - 1) / s
-        print(json.dumps({"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={T}, "
+        tok_s = B * (Tn - 1) / s
+        print(json.dumps({"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
                           f"checkpointing {ckpt}, compiled {compiled}", "step_s": s, "first_step_s": first, "tokens_per_s": tok_s,
-                          "mfu": M.flops_per_token(cfg, T) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
+                          "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
                           "gpu": torch.cuda.get_device_name()}), flush=True)
         del m, opt
         torch.cuda.empty_cache()
+
+
+def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
+    """`groups` sibling groups of K samples (one prompt each, 512-1536 tokens; responses 128-2048 tokens), the real
+    defaults (2 mini-batches, 16384-token micro-batches, checkpointing, TIS cap 2), eager. Tokens/s counts every
+    distinct token once (prompt + responses), so packed and unpacked rows do the same useful work."""
+    import random
+    import train as T
+    from rollout import Sample
+    cfg = M.Qwen3Config(**M.SIZES["1.7B"])
+    rng = random.Random(0)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(151643) for _ in range(rng.randint(512, 1536))]
+        for k in range(K):
+            n = rng.randint(128, 2048)
+            samples.append(Sample(0, g, "plan", 0, 0, prompt, [rng.randrange(151643) for _ in range(n)],
+                                  [-rng.random() * 3 for _ in range(n)], 0.0, adv=rng.choice([-1.0, 1.0])))
+    distinct = sum(len(s.response_ids) for s in samples) + sum(len(samples[g * K].prompt_ids) for g in range(groups))
+    tc = dict(minibatches=2, split=None, micro_batch_tokens=16384, temperature=1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0,
+              kl_coef=0.0, tis_cap=2.0, grad_clip=1.0)
+    torch.manual_seed(0)
+    m = M.Qwen3(cfg)
+    m.init_weights(0.02)
+    M.shard(m, checkpoint=True, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
+    x = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
+
+    def step():  # the bare reference on the same model: fwd+bwd+AdamW on 2 x 4096 tokens
+        (-m(x[:, :-1], targets=x[:, 1:]).mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    step()
+    bare = 2 * 4095 / timeit(step, 5)
+    print(json.dumps({"bench": "bare fwd+bwd+AdamW, 2 x 4096, same model", "tokens_per_s": bare}), flush=True)
+    for pack in packs:
+        c = {**tc, "pack": pack}
+
+        def upd():
+            st = T.update_policy(m, opt, samples, c, 1, T.DEVICE)
+            torch.cuda.synchronize()
+            return st
+        t0 = time.perf_counter()
+        st = upd()  # warm-up (the block-mask and flex compiles)
+        print(json.dumps({"bench": f"update_policy warm-up, pack {pack}", "first_s": time.perf_counter() - t0}), flush=True)
+        s = timeit(upd, repeats)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            upd()
+            wall = time.perf_counter() - t0
+        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6  # kernels only (CUDA activity alone)
+        tok_s = distinct / s
+        print(json.dumps({"bench": f"train.update_policy, Qwen3-1.7B shape, {len(samples)} samples ({groups} groups x K={K}), "
+                          f"pack {pack}", "update_s": s, "distinct_tokens": distinct, "trained_tokens": st["trained_tokens"],
+                          "tokens_per_s": tok_s, "mfu": M.flops_per_token(cfg, 2048) * tok_s / peak,
+                          "over_bare_step": tok_s / bare, "gpu_busy_fraction": busy / wall}), flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=6), flush=True)
 
 
 if __name__ == "__main__":
@@ -246,6 +326,8 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "model"
     if which == "env_one":
         bench_env_one(sys.argv[2])
+    elif which == "gpu" and len(sys.argv) > 2:
+        bench_gpu(sys.argv[2])
     else:
         {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env, "train": bench_train,
          "gpu": bench_gpu}[which]()

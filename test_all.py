@@ -85,23 +85,26 @@ def test_forward_matches_transformers_fp32(i, tmp_path):
 
 
 def test_forward_matches_transformers_bf16(tmp_path):
-    # bf16 has 8 mantissa bits: logits of magnitude ~5 are rounded at ~0.03. Both sides round at the same
-    # places (same op order), so we see a max |diff| of 0 to ~0.06; assert 0.1 absolute and a high argmax match.
-    cfg = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    """bf16, against transformers in fp32 (the reference): our bf16 forward's error is transformers' own bf16 error.
+    Real Qwen3's RoPE base (1e6) and head_dim (128), 512 positions: an inv_freq table rounded to bf16 (what
+    `model.to(bf16)` did to the old buffer; HF keeps it fp32) tripled the error here (0.054 vs 0.015 relative)."""
+    cfg = M.Qwen3Config(**{**M.SIZES["tiny"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2,
+                           "rope_theta": 1e6})
     torch.manual_seed(0)
     ours = M.Qwen3(cfg)
-    ours.init_weights(0.05)
+    ours.init_weights(0.02)
     M.save_model(ours, str(tmp_path))
-    hf = hf_model(str(tmp_path), torch.bfloat16)
+    ref, hf = hf_model(str(tmp_path)), hf_model(str(tmp_path), torch.bfloat16)
     ours = ours.to(torch.bfloat16)
-    ids, mask = random_batch(cfg.vocab_size, [64, 40], seed=1)
+    ids, mask = random_batch(cfg.vocab_size, [512, 300], seed=1)
     with torch.no_grad():
-        a, b = ours(ids).float(), hf(input_ids=ids, attention_mask=mask).logits.float()
-    valid = mask.bool()
-    diff = (a[valid] - b[valid]).abs().max().item()
-    agree = (a[valid].argmax(-1) == b[valid].argmax(-1)).float().mean().item()
-    print(f"bf16 max|dlogit|={diff:.4f} argmax agreement={agree:.4f}")
-    assert diff <= 0.1 and agree >= 0.97
+        r = ref(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        a, b = ours(ids).float()[mask.bool()], hf(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    rel_ours, rel_hf = ((a - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
+    print(f"bf16 relative error vs fp32 transformers: ours {rel_ours:.4f}, transformers bf16 {rel_hf:.4f}")
+    assert rel_ours <= 1.1 * rel_hf, (rel_ours, rel_hf)
+    assert (a.argmax(-1) == r.argmax(-1)).float().mean() >= (b.argmax(-1) == r.argmax(-1)).float().mean() - 0.01
 
 
 def test_config_spellings_and_sizes():
@@ -541,7 +544,6 @@ def test_memory_planner_formulas_vs_measured():
             with torch.device("meta"):
                 mm = M.Qwen3(c)
             mm.to_empty(device="cpu")
-            mm.model.rotary.reset()
             for p in mm.parameters():
                 p.data.normal_(0, 0.02)
         finally:
@@ -648,19 +650,26 @@ def test_cuda_collectives_on_nccl():
 
 @needs_cuda
 def test_cuda_bf16_matches_transformers(tmp_path):
+    """bf16 on CUDA, against transformers in fp32 (the reference): our bf16 forward's error is that of transformers' own
+    bf16 forward (transformers' own bf16 error here is 2% relative, so a fixed bound would measure bf16, not us). It
+    failed on an H100 with the old bf16 RoPE table (0.028 vs 0.020); a planted RoPE-base bug gives 1.15 (bench.py)."""
     cfg = M.Qwen3Config(**{**M.SIZES["tiny"], "vocab_size": 1000, "hidden_size": 512, "intermediate_size": 1536,
                            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 4})
     torch.manual_seed(0)
     ours = M.Qwen3(cfg)
     ours.init_weights(0.05)
     M.save_model(ours, str(tmp_path))
+    ref = hf_model(str(tmp_path), torch.float32).cuda()
     hf = hf_model(str(tmp_path), torch.bfloat16).cuda()
     ours = ours.to(torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 1000, (3, 300), device="cuda")
     with torch.no_grad():
+        r = ref(ids).logits
         a, b = ours(ids).float(), hf(ids).logits.float()
-    assert (a - b).abs().max().item() <= 0.1
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.97
+    rel_ours, rel_hf = ((a - r).norm() / r.norm()).item(), ((b - r).norm() / r.norm()).item()
+    agree_ours, agree_hf = [(x.argmax(-1) == r.argmax(-1)).float().mean().item() for x in (a, b)]
+    assert rel_ours <= 1.1 * rel_hf, (rel_ours, rel_hf)  # measured on an H100: 0.0202 and 0.0202
+    assert agree_ours >= agree_hf - 0.01, (agree_ours, agree_hf)
 
 
 @needs_cuda
@@ -1531,11 +1540,11 @@ def test_packed_rows_equal_per_sample_rows(seed):
     assert (lp0[lo + 1:lo + sizes[k - 1]] - lp1[lo + 1:lo + sizes[k - 1]]).abs().max().item() > 1e-4  # this one: moved
 
 
-def _packed_flex_vs_dense(device, grad):
+def _packed_flex_vs_dense(device, grad, shape=PARITY_CONFIGS[1]):
     """Per-token log-probs (and, with grad, every gradient) of packed rows: flex BlockMask vs dense SDPA mask."""
     import train as T
     torch.manual_seed(3)
-    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **shape})
     m = M.Qwen3(mc).to(device)
     m.init_weights(0.05)
     rows = T.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True)
@@ -1551,8 +1560,8 @@ def _packed_flex_vs_dense(device, grad):
         out.append((lp.detach() * b.w, [p.grad.clone() for p in m.parameters()] if grad else []))
     (a, ga), (f, gf) = out
     assert (a - f).abs().max().item() <= 1e-5
-    for x, y in zip(ga, gf):
-        assert (x - y).abs().max().item() <= 1e-5
+    for x, y in zip(ga, gf):  # relative: fp32 sums in another order (measured on an H100: max abs 1.1e-5 on |g| ~ 2.5)
+        assert ((x - y).norm() / y.norm()).item() <= 1e-5
 
 
 def test_packed_flex_mask_equals_dense_mask_cpu_forward():
@@ -1574,9 +1583,12 @@ def test_packed_flex_mask_equals_dense_mask_cpu_forward():
 
 
 @needs_cuda
-def test_packed_flex_mask_equals_dense_mask_cuda():
-    """On CUDA: compiled flex attention, log-probs and gradients equal SDPA with the dense mask (fp32)."""
-    _packed_flex_vs_dense("cuda", grad=True)
+@pytest.mark.parametrize("shape", [PARITY_CONFIGS[1], {}], ids=["gqa2-hd24", "tiny-default"])
+def test_packed_flex_mask_equals_dense_mask_cuda(shape):
+    """On CUDA: compiled flex attention, log-probs and gradients equal SDPA with the dense mask (fp32). The tiny
+    default's shape with rows under 128 tokens crashed torch 2.11's flex lowering (its decoding kernel) on an H100
+    until collate padded flex rows to whole 128-blocks."""
+    _packed_flex_vs_dense("cuda", grad=True, shape=shape)
 
 
 def test_minibatch_splits():

@@ -196,11 +196,12 @@ def setup_dist(timeout_min=60.0):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         DEVICE = torch.device("cuda", torch.cuda.current_device())
     timeout = timedelta(minutes=timeout_min)
+    dev = DEVICE if cuda else None  # binds NCCL to this GPU: barrier() then knows it (it warned at every checkpoint)
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=dev)
         OWN_GROUP = True
     elif cuda and not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=dev)
         OWN_GROUP = True
     if OWN_GROUP:
         return dist.get_rank(), dist.get_world_size()
@@ -367,6 +368,10 @@ def collate(mb, device, flex=None):
     """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed
     (`packed_mask`)."""
     B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
+    packed = any(max(r.seg) > 1 for r in mb)
+    flex = packed and (device.type == "cuda" if flex is None else flex)
+    if flex:  # whole 128-blocks: below 128 query rows torch 2.11 lowers flex to its decoding kernel, which found no
+        T = -(-T // 128) * 128  # valid config for a GQA training batch (H100); 128 is flex's block size anyway
     ids, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
     sel, tgt = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
     w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
@@ -375,9 +380,7 @@ def collate(mb, device, flex=None):
         n = len(r.tgt)
         sel[b, :n], tgt[b, :n], w[b, :n] = torch.tensor(r.sel), torch.tensor(r.tgt), 1.0
         adv[b, :n], slp[b, :n] = torch.tensor(r.adv, dtype=torch.float32), torch.tensor(r.slp, dtype=torch.float32)
-    attn = None
-    if any(max(r.seg) > 1 for r in mb):
-        attn = packed_mask(seg, device, device.type == "cuda" if flex is None else flex)
+    attn = packed_mask(seg, device, flex) if packed else None
     dev = [x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp)]
     return Batch(*dev[:3], attn, *dev[3:])
 
@@ -724,7 +727,6 @@ def build_policies(cfg, pols, bases, ckpt, rank, world, device):
             m.to_empty(device="cpu" if fsdp else device)
             if mc.tie_word_embeddings:  # to_empty unties shared parameters
                 m.lm_head.weight = m.model.embed_tokens.weight
-            m.model.rotary.reset()
         else:
             m = M.load_model(src, dtype=torch.float32, device="cpu" if fsdp else device)
         if adapters:
