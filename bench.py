@@ -9,6 +9,7 @@ is a median over repeats, reported as a ratio against a reference measured in th
     python bench.py train      # the CPU default's update: packed rows (prompt once per sibling group) vs one row per sample
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd throughput/MFU of Qwen3-1.7B at 4096, the real update
 """
+import functools
 import json
 import os
 import statistics
@@ -228,6 +229,14 @@ def gpu_parity():
     torch.cuda.empty_cache()
 
 
+def _lm_step(m, opt, x):
+    """One bare training step on a [B, T] batch: next-token log-likelihood, backward, AdamW (GPU benchmarks)."""
+    (-m(x[:, :-1], targets=x[:, 1:]).mean()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+
+
 def gpu_step(peak):
     import memory
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
@@ -239,13 +248,7 @@ def gpu_step(peak):
         m.init_weights(0.02)
         M.shard(m, checkpoint=ckpt, param_dtype=torch.bfloat16, compile=compiled)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
-
-        def step():
-            lp = m(x[:, :-1], targets=x[:, 1:])
-            (-lp.mean()).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+        step = functools.partial(_lm_step, m, opt, x)
         t0 = time.perf_counter()
         step()
         first = time.perf_counter() - t0
@@ -288,12 +291,7 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
     M.shard(m, checkpoint=True, param_dtype=torch.bfloat16)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
     x = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
-
-    def step():  # the bare reference on the same model: fwd+bwd+AdamW on 2 x 4096 tokens
-        (-m(x[:, :-1], targets=x[:, 1:]).mean()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+    step = functools.partial(_lm_step, m, opt, x)  # the bare reference on the same model
     step()
     bare = 2 * 4095 / timeit(step, 5)
     print(json.dumps({"bench": "bare fwd+bwd+AdamW, 2 x 4096, same model", "tokens_per_s": bare}), flush=True)
