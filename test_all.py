@@ -1883,6 +1883,7 @@ def test_eta_respects_the_time_limit():
     assert T.eta_seconds({"steps": 400, "time_limit_min": 1.0}, 12, 12, 72.0) == pytest.approx(6)
     # resumed after 10 minutes of training: this process did 10 steps in 60 s, the run has used 11 of its 15 minutes
     assert T.eta_seconds({"steps": 400, "time_limit_min": 15.0}, 110, 10, 60.0, 660.0) == pytest.approx(900 - 660 + 6)
+    assert T.eta_seconds({"steps": 400, "stop_step": 20, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(10 * 6)
 
 
 def test_lr_schedule_matches_torch_schedulers():
@@ -2187,8 +2188,9 @@ def test_stale_engine_shows_in_dlogp(tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run."""
-    args = [PY, "train.py", "--steps", "4", "--ckpt_every", "2", "--eval_every", "2", "--eval_n", "10",
+    """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
+    Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons)."""
+    args = [PY, "train.py", "--steps", "6", "--stop_step", "4", "--ckpt_every", "2", "--eval_every", "2", "--eval_n", "10",
             "--envs_per_step", "4", "--warmup_steps", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     _run(args + ["--out_dir", str(tmp_path / "a")], timeout=900)
@@ -2208,6 +2210,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert len(a) == len(b) == 5
     times = [json.loads(l)["time"] for l in open(tmp_path / "b" / "metrics.jsonl")]
     assert times == sorted(times) and times[3] > times[2] > 0  # training minutes go on across the resume
+    lrf = [json.loads(l).get("lr_factor") for l in open(tmp_path / "a" / "metrics.jsonl")][1:]  # steps 1-4 (step 0: eval only)
+    assert lrf == pytest.approx([0.1 + 0.45 * (1 + math.cos(math.pi * s / 6)) for s in range(4)])  # by hand: half cosine 1 -> 0.1 over 6
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in x:

@@ -85,6 +85,8 @@ eval_n = None              # held-out instances (games: fixed test seeds; code/m
 ckpt_every = None          # checkpoint every N steps
 resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
+stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
+                           # spans --steps, so a run stopped at step N equals the first N steps of the full run
 warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
@@ -568,6 +570,8 @@ def configure(argv):
     cfg["split"] = minibatch_split(cfg)
     if not (0 <= cfg["lr_decay"] <= 1 and 0 <= cfg["lr_min"] <= 1):
         raise SystemExit("--lr_decay (a fraction of --steps) and --lr_min (a fraction of --lr) must lie in [0, 1]")
+    if not 0 <= cfg["stop_step"] <= cfg["steps"]:
+        raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] (0 = run all the steps)")
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
                          "use --split groups")
@@ -813,7 +817,7 @@ def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
     --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
     run's training time `run_elapsed` (a resumed run's included)."""
     per_step = elapsed / max(1, done_steps)
-    left = (cfg["steps"] - step) * per_step
+    left = ((cfg.get("stop_step") or cfg["steps"]) - step) * per_step
     if cfg["time_limit_min"]:
         used = elapsed if run_elapsed is None else run_elapsed
         left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
@@ -983,7 +987,7 @@ def main(argv):
         n_s = sum(x["n"] for x in allr)
         rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
                "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
-               "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr)}
+               "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr), "lr_factor": lr_factor(cfg, step)}
         for r in roles:
             vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
             rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
@@ -1023,7 +1027,8 @@ def main(argv):
                   f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m", flush=True)
         last = step + 1
         out_of_time = out_of_time_all(cfg, time.time() - t_start, world)
-        final = last == cfg["steps"] or out_of_time
+        stop = last == cfg["stop_step"]
+        final = last == cfg["steps"] or out_of_time or stop
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             r = run_eval(last)
             rec.update(eval_success=r["accuracy"], eval_ci=r["ci"])
@@ -1037,6 +1042,8 @@ def main(argv):
         if out_of_time:
             if master:
                 print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
+            break
+        if stop:
             break
     # engines first: vLLM's own process groups must go before the default group they were built on
     for e in distinct_engines(engines):
