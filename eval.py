@@ -8,6 +8,8 @@ Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7), 
     python eval.py --summary runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1           # multi-seed table of training runs
     python eval.py --task math --model M --k 4 --temperature 0.6             # math default: avg@4 and pass@4
     python eval.py --plot runs/default runs/grpo --out curves.png            # curves from metrics.jsonl
+    python eval.py --summary runs/a-s0 runs/b-s0 --at_step 100               # step-matched (runs of different speeds)
+    python eval.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps        # curves against the step
 
 Rollouts are the same code as training (plain rollouts, no tree). Accuracy = fraction of instances whose
 episode ends in success. With k samples per instance: avg@k = mean success over all samples, pass@k = unbiased
@@ -127,18 +129,22 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
 # plots
 
 
-def plot(run_dirs, out_png):
+def plot(run_dirs, out_png, x="minutes", at_step=None):
     """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
-    configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold."""
+    configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold. x: "minutes"
+    (wall clock) or "steps" (runs made on different machines or core counts line up by step); at_step: as summary's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = [("eval_success", "held-out success (greedy)"), ("reward", "train reward per agent"),
               ("dlogp", "sampler vs trainer |dlogp|"), ("grad_norm", "grad norm")]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    for n, (label, runs) in enumerate(group_runs(run_dirs, need_config=False).items()):
+    if x not in ("minutes", "steps"):
+        raise SystemExit(f"--x {x!r}: minutes or steps")
+    xof = (lambda r: r.get("time", 0) / 60) if x == "minutes" else (lambda r: r["step"])
+    for n, (label, runs) in enumerate(group_runs(run_dirs, need_config=False, at_step=at_step).items()):
         color = f"C{n % 10}"
-        curves = [[(r["step"], r.get("time", 0) / 60, r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
+        curves = [[(r["step"], xof(r), r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
         if len(runs) == 1:  # one run: its own curve
             axes[0].plot([m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label)
         else:  # several seeds: each faint, their mean (at the steps all evaluated) bold
@@ -147,9 +153,10 @@ def plot(run_dirs, out_png):
             mc = mean_curve(curves)
             axes[0].plot([m for m, _ in mc], [y for _, y in mc], color=color, linewidth=2.5, label=f"{label} (mean of {len(runs)})")
     for d in run_dirs:
-        rec = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+        rec = [r for r in (json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip())
+               if at_step is None or r["step"] <= at_step]
         name = os.path.basename(os.path.normpath(d))
-        xs = lambda key: [(r.get("time", 0) / 60, r[key]) for r in rec if key in r]
+        xs = lambda key: [(xof(r), r[key]) for r in rec if key in r]
         for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
             v = xs(key)
             axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
@@ -161,18 +168,24 @@ def plot(run_dirs, out_png):
             axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
     for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
-        ax.set_xlabel("wall-clock minutes")
+        ax.set_xlabel("wall-clock minutes" if x == "minutes" else "training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel with nothing logged (no rewards in a test's metrics) has none
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     return out_png
 
 
-def group_runs(run_dirs, need_config=True):
+RUN_LENGTH = ("stop_step", "time_limit_min")  # where a run stops: with at_step they do not tell configurations apart
+
+
+def group_runs(run_dirs, need_config=True, at_step=None):
     """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
     out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
-    allowed with need_config=False) is a group of its own, labelled by its directory name."""
+    allowed with need_config=False) is a group of its own, labelled by its directory name. at_step: keep each run's
+    records up to that step only (step-matched comparisons of runs of different lengths or speeds); every run must
+    have reached it, and then the settings that only say where a run stops (RUN_LENGTH) are not configuration."""
     runs = []
     for d in run_dirs:
         cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
@@ -180,8 +193,15 @@ def group_runs(run_dirs, need_config=True):
             raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
         cfg = None
         if os.path.exists(cpath):
-            cfg = {k: v for k, v in json.load(open(cpath)).items() if k not in ("seed", "out_dir", "resume", "resolved_policies")}
-        runs.append((d, cfg, [json.loads(l) for l in open(mpath) if l.strip()]))
+            skip = ("seed", "out_dir", "resume", "resolved_policies") + (RUN_LENGTH if at_step is not None else ())
+            cfg = {k: v for k, v in json.load(open(cpath)).items() if k not in skip}
+        rec = [json.loads(l) for l in open(mpath) if l.strip()]
+        if at_step is not None:
+            last = max((r["step"] for r in rec), default=0)
+            if last < at_step:
+                raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller --at_step or drop the run")
+            rec = [r for r in rec if r["step"] <= at_step]
+        runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
     varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
     groups = {}
@@ -203,13 +223,14 @@ def mean_curve(curves):
     return out
 
 
-def summary(run_dirs, threshold=0.8):
+def summary(run_dirs, threshold=0.8, at_step=None):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
     per group: seeds, steps, median seconds per step, the untrained model's held-out success (the step-0 evaluation),
     final held-out success as mean [min-max] over seeds and its ratio to the untrained one, best, the
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
-    (does it stay learned?). Labels are the config values that differ between the runs given."""
-    groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs).items()}
+    (does it stay learned?). Labels are the config values that differ between the runs given. at_step: every
+    column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds."""
+    groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
     lines = [f"| configuration | seeds | steps | s/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
              f"| best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -270,6 +291,8 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192"),
     "plot": ([], "RUN_DIR ...: training curves of train.py runs into --out (default curves.png)"),
     "summary": ([], "RUN_DIR ...: a multi-seed markdown table of train.py runs, grouped by configuration"),
+    "at_step": (None, "--summary / --plot: every run as of this step (step-matched; the runs' stop settings are then not configuration)"),
+    "x": ("minutes", "--plot: the x axis, minutes (wall clock) or steps"),
 }
 
 
@@ -310,11 +333,12 @@ def parse_args(argv):
 
 def main(argv):
     a = parse_args(argv)
+    at_step = None if a["at_step"] is None else int(a["at_step"])
     if a["plot"]:
-        print(plot(a["plot"], a["out"] or "curves.png"))
+        print(plot(a["plot"], a["out"] or "curves.png", x=a["x"], at_step=at_step))
         return None
     if a["summary"]:
-        print(summary(a["summary"]))
+        print(summary(a["summary"], at_step=at_step))
         return None
     task, workflow = a["task"], a["workflow"]
     if task is None:

@@ -2242,6 +2242,22 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     table = V.summary(dirs).splitlines()
     assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
     assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
+    # --at_step 20: every column as of step 20 (a0's last evaluation, 0.9 at step 30, is cut); b0 never reached it
+    assert V.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 1.0, never | 0.60, - |"  # best: (0.85 + 0.7) / 2, 0.775 in binary is just below
+    with pytest.raises(SystemExit, match="stopped at step 10, before --at_step 20"):
+        V.summary(dirs, at_step=20)
+    # where a run stops is not configuration once the runs are compared at one step: a 15-minute run and a run
+    # stopped at step 10 are two seeds of one configuration there, two configurations without --at_step
+    for name, seed, stop in (("c0", 0, {"time_limit_min": 15.0}), ("c1", 1, {"time_limit_min": 0.0, "stop_step": 10})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": seed, "out_dir": str(d), **stop}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": st, "time": 6.0 * st, "eval_success": y}) + "\n"
+                                                 for st, y in ((0, 0.1), (10, 0.3 + seed / 10), (20, 0.9))[:3 - seed]))
+    cs = [str(tmp_path / "c0"), str(tmp_path / "c1")]
+    assert list(V.group_runs(cs)) == ["--stop_step None --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
+    assert list(V.group_runs(cs, at_step=10)) == ["(one configuration)"]
+    assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[5] == "0.35 [0.30-0.40]"
 
 
 def test_pass_and_avg_at_k_brute_force():
@@ -2316,6 +2332,9 @@ def test_plot_from_metrics(tmp_path):
                                     "grad_norm_p0": 0.5}) + "\n")
     out = V.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "c.png"))
     assert os.path.getsize(out) > 10000
+    assert os.path.getsize(V.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "d.png"), x="steps", at_step=1)) > 10000
+    with pytest.raises(SystemExit, match="minutes or steps"):
+        V.plot([str(tmp_path / "a")], str(tmp_path / "e.png"), x="step")
 
 
 def test_short_default_run_learns_and_eval_cli_agrees(tmp_path):
