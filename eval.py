@@ -229,20 +229,21 @@ def summary(run_dirs, threshold=0.8, at_step=None):
     final held-out success as mean [min-max] over seeds and its ratio to the untrained one, best, the
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
     (does it stay learned?). Labels are the config values that differ between the runs given. at_step: every
-    column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds."""
+    column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds, and the first
+    time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts)."""
     groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
     lines = [f"| configuration | seeds | steps | s/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
-             f"| best (mean) | first >= {threshold} (min, per seed) | lowest after that (per seed) |",
+             f"| best (mean) | first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, recs in groups.items():
         finals, bases, bests, firsts, lows, steps, sps = [], [], [], [], [], [], []
         for rec in recs:
-            ev = [(r.get("time", 0.0) / 60, r["eval_success"]) for r in rec if "eval_success" in r]
+            ev = [(r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"]) for r in rec if "eval_success" in r]
             finals.append(ev[-1][1] if ev else float("nan"))
             bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
             bests.append(max((y for _, y in ev), default=float("nan")))
             hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
-            firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}")
+            firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}" if at_step is None else str(ev[hit][0]))
             lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
             steps.append(max((r["step"] for r in rec), default=0))
             ts = sorted(r["t_step"] for r in rec if "t_step" in r)

@@ -2243,7 +2243,7 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
     assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
     # --at_step 20: every column as of step 20 (a0's last evaluation, 0.9 at step 30, is cut); b0 never reached it
-    assert V.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 1.0, never | 0.60, - |"  # best: (0.85 + 0.7) / 2, 0.775 in binary is just below
+    assert V.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 10, never | 0.60, - |"  # first >= 0.8 as a step; best: (0.85 + 0.7) / 2, 0.775 in binary is just below
     with pytest.raises(SystemExit, match="stopped at step 10, before --at_step 20"):
         V.summary(dirs, at_step=20)
     # where a run stops is not configuration once the runs are compared at one step: a 15-minute run and a run
