@@ -225,18 +225,19 @@ def mean_curve(curves):
 
 def summary(run_dirs, threshold=0.8, at_step=None):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
-    per group: seeds, steps, median seconds per step, the untrained model's held-out success (the step-0 evaluation),
+    per group: seeds, steps, median seconds per step, median samples (trained calls) per step (the cost that does not
+    depend on the machine), the untrained model's held-out success (the step-0 evaluation),
     final held-out success as mean [min-max] over seeds and its ratio to the untrained one, best, the
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
     (does it stay learned?). Labels are the config values that differ between the runs given. at_step: every
     column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds, and the first
     time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts)."""
     groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
-    lines = [f"| configuration | seeds | steps | s/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
+    lines = [f"| configuration | seeds | steps | s/step | samples/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
              f"| best (mean) | first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, recs in groups.items():
-        finals, bases, bests, firsts, lows, steps, sps = [], [], [], [], [], [], []
+        finals, bases, bests, firsts, lows, steps, sps, smp = [], [], [], [], [], [], [], []
         for rec in recs:
             ev = [(r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"]) for r in rec if "eval_success" in r]
             finals.append(ev[-1][1] if ev else float("nan"))
@@ -248,9 +249,11 @@ def summary(run_dirs, threshold=0.8, at_step=None):
             steps.append(max((r["step"] for r in rec), default=0))
             ts = sorted(r["t_step"] for r in rec if "t_step" in r)
             sps.append(ts[len(ts) // 2] if ts else float("nan"))
+            ns = sorted(r["samples"] for r in rec if "samples" in r)
+            smp.append(ns[len(ns) // 2] if ns else float("nan"))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
-        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {base:.2f} | {final:.2f} "
+        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {sorted(smp)[n // 2]:.0f} | {base:.2f} | {final:.2f} "
                      f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
                      f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
     return "\n".join(lines)

@@ -2227,23 +2227,24 @@ import eval as V
 def test_summary_table_of_seeds_by_hand(tmp_path):
     """eval.py --summary groups runs by the config values that differ (not the seed) and reports the final held-out
     mean [min-max], the untrained (step-0) mean and final/untrained, the best, the first time >= 0.8 and the lowest
-    evaluation after it, per seed."""
+    evaluation after it, per seed. Samples per step: each run's median (upper for an even count), then the seeds'."""
     def run(name, pack, seed, evals):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"pack": pack, "seed": seed, "out_dir": str(d), "lr": 5e-4}))
-        rows = [{"step": s, "time": 60.0 * m, "t_step": 2.0, **({"eval_success": y} if y is not None else {})} for s, m, y in evals]
+        rows = [{"step": s, "time": 60.0 * m, "t_step": 2.0, **({"samples": 4 * s} if s else {}),  # step 0: the untrained eval only
+                 **({"eval_success": y} if y is not None else {})} for s, m, y in evals]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(d)
     dirs = [run("a0", True, 0, [(0, 0, 0.1), (10, 1, 0.85), (20, 2, 0.6), (30, 3, 0.9)]),
             run("a1", True, 1, [(0, 0, 0.1), (10, 1.5, 0.5), (20, 3, 0.7)]),
             run("b0", False, 0, [(0, 0, 0.2), (5, 2, None), (10, 4, 0.8)])]
-    assert V.summary([run("z0", None, 0, [(0, 0, 0.0), (10, 1, 0.0)])]).splitlines()[2].split(" | ")[6] == "-"  # 0/0
+    assert V.summary([run("z0", None, 0, [(0, 0, 0.0), (10, 1, 0.0)])]).splitlines()[2].split(" | ")[7] == "-"  # 0/0
     table = V.summary(dirs).splitlines()
-    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
-    assert table[3] == "| --pack False | 1 | 10 | 2.00 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
+    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 80 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
+    assert table[3] == "| --pack False | 1 | 10 | 2.00 | 40 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
     # --at_step 20: every column as of step 20 (a0's last evaluation, 0.9 at step 30, is cut); b0 never reached it
-    assert V.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 10, never | 0.60, - |"  # first >= 0.8 as a step; best: (0.85 + 0.7) / 2, 0.775 in binary is just below
+    assert V.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 80 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 10, never | 0.60, - |"  # first >= 0.8 as a step; best: (0.85 + 0.7) / 2, 0.775 in binary is just below
     with pytest.raises(SystemExit, match="stopped at step 10, before --at_step 20"):
         V.summary(dirs, at_step=20)
     # where a run stops is not configuration once the runs are compared at one step: a 15-minute run and a run
@@ -2257,7 +2258,7 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     cs = [str(tmp_path / "c0"), str(tmp_path / "c1")]
     assert list(V.group_runs(cs)) == ["--stop_step None --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
     assert list(V.group_runs(cs, at_step=10)) == ["(one configuration)"]
-    assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[5] == "0.35 [0.30-0.40]"
+    assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
 
 def test_pass_and_avg_at_k_brute_force():
