@@ -1935,7 +1935,8 @@ def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
                       (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
-                      (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint")]:
+                      (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
+                      (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]")]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
 
