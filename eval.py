@@ -170,7 +170,7 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
         ax.set_title(title)
         ax.set_xlabel("wall-clock minutes" if x == "minutes" else "training step")
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:  # a panel with nothing logged (no rewards in a test's metrics) has none
+        if 0 < len(ax.get_legend_handles_labels()[0]) <= 12:  # none for an empty panel, or one too long to read
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
