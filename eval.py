@@ -142,7 +142,8 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
     if x not in ("minutes", "steps"):
         raise SystemExit(f"--x {x!r}: minutes or steps")
     xof = (lambda r: r.get("time", 0) / 60) if x == "minutes" else (lambda r: r["step"])
-    for n, (label, runs) in enumerate(group_runs(run_dirs, need_config=False, at_step=at_step).items()):
+    groups = group_runs(run_dirs, need_config=False, at_step=at_step)
+    for n, (label, runs) in enumerate(groups.items()):
         color = f"C{n % 10}"
         curves = [[(r["step"], xof(r), r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
         if len(runs) == 1:  # one run: its own curve
@@ -152,9 +153,7 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
                 axes[0].plot([m for _, m, _ in c], [y for _, _, y in c], color=color, alpha=0.3, linewidth=1)
             mc = mean_curve(curves)
             axes[0].plot([m for m, _ in mc], [y for _, y in mc], color=color, linewidth=2.5, label=f"{label} (mean of {len(runs)})")
-    for d in run_dirs:
-        rec = [r for r in (json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip())
-               if at_step is None or r["step"] <= at_step]
+    for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
         name = os.path.basename(os.path.normpath(d))
         xs = lambda key: [(xof(r), r[key]) for r in rec if key in r]
         for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
@@ -223,6 +222,11 @@ def mean_curve(curves):
     return out
 
 
+def upper_median(xs):
+    """The middle value (the upper one of an even count: always a value that occurred); nan for none."""
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
 def summary(run_dirs, threshold=0.8, at_step=None):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
     per group: seeds, steps, median seconds per step, median samples (trained calls) per step (the cost that does not
@@ -247,13 +251,11 @@ def summary(run_dirs, threshold=0.8, at_step=None):
             firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}" if at_step is None else str(ev[hit][0]))
             lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
             steps.append(max((r["step"] for r in rec), default=0))
-            ts = sorted(r["t_step"] for r in rec if "t_step" in r)
-            sps.append(ts[len(ts) // 2] if ts else float("nan"))
-            ns = sorted(r["samples"] for r in rec if "samples" in r)
-            smp.append(ns[len(ns) // 2] if ns else float("nan"))
+            sps.append(upper_median([r["t_step"] for r in rec if "t_step" in r]))
+            smp.append(upper_median([r["samples"] for r in rec if "samples" in r]))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
-        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {sorted(sps)[n // 2]:.2f} | {sorted(smp)[n // 2]:.0f} | {base:.2f} | {final:.2f} "
+        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} | {base:.2f} | {final:.2f} "
                      f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
                      f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
     return "\n".join(lines)
