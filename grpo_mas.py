@@ -87,7 +87,7 @@ def by_agent_turn(samples):
 
 
 def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0,
-             sampler_logp=None, tis_cap=0.0):
+             sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
     """Token-level PPO-clip with dual clip, summed and divided by `n_tokens` (the response-token count of the
     whole optimizer step across all ranks), so the gradient does not depend on how samples are split into
     micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp/sampler_logp [B, T], adv [B] (one per row) or [B, T]
@@ -97,7 +97,12 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     the trainer's pi_old, so each token's PPO term is weighted by min(exp(old_logp - sampler_logp), C), a constant
     (no gradient). On GPU the two differ by ~1e-2 nats per token (bf16 kernels); on the fp32 CPU path the weight is
     1 to ~1e-7. As trl (`vllm_importance_sampling_correction`, cap 2 by default), OpenRLHF (`enable_vllm_is_correction`)
-    and verl (TIS, verl#2953) do."""
+    and verl (TIS, verl#2953) do.
+
+    Entropy bonus (`entropy` [B, T], each position's full-vocabulary entropy, with gradient; `entropy_coef` > 0): each
+    token's loss minus entropy_coef x entropy, token-mean like the rest (verl `workers/actor/dp_actor.py`: the policy
+    loss minus `entropy_coeff` x the aggregated entropy). It keeps the sampler's siblings diverse where the policy would
+    otherwise turn deterministic (identical siblings = a zero-variance group, no signal)."""
     adv = adv if adv.dim() == 2 else adv[:, None]
     ratio = torch.exp(logp - old_logp)
     pg1 = -adv * ratio
@@ -113,9 +118,12 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
         r = ref_logp - logp
         kl = torch.exp(r) - r - 1
         tok = tok + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        tok = tok - entropy_coef * entropy
     m = mask.float()
     loss = (tok * m).sum() / n_tokens
     with torch.no_grad():
         clipped = ((pg2 > pg1) & (m > 0)).float().sum()
-        stats = {"clip_tokens": clipped.item(), "kl_sum": (kl * m).sum().item(), "tokens": m.sum().item()}
+        stats = {"clip_tokens": clipped.item(), "kl_sum": (kl * m).sum().item(), "tokens": m.sum().item(),
+                 "entropy_sum": (entropy * m).sum().item() if entropy is not None else 0.0}
     return loss, stats

@@ -224,19 +224,19 @@ class LMHead(nn.Linear):
     [chunk, vocab] block of logits (151936 wide for Qwen3) is alive at a time in forward and backward. The loop is
     inside this module's forward so that FSDP2 gathers the head once per forward, not once per chunk."""
 
-    def forward(self, h, targets=None, temperature=1.0, chunk=1024):
+    def forward(self, h, targets=None, temperature=1.0, chunk=1024, entropy=False):
         if targets is None:
             return super().forward(h)
         B, T, H = h.shape
         h, t = h.reshape(B * T, H), targets.reshape(B * T)
         out = []
         for s in range(0, B * T, chunk):
-            args = (h[s:s + chunk], self.weight, t[s:s + chunk], temperature)
+            args = (h[s:s + chunk], self.weight, t[s:s + chunk], temperature, entropy)
             if torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad):
                 out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
                 out.append(_chunk_logprobs(*args))
-        return torch.cat(out).view(B, T).clone()  # not a view: FSDP2 hooks the output of the root module
+        return torch.cat(out).view(B, T, *out[0].shape[1:]).clone()  # not a view: FSDP2 hooks the root module's output
 
 
 class Qwen3(nn.Module):
@@ -267,15 +267,16 @@ class Qwen3(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024,
-                select=None):
+                select=None, entropy=False):
         """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T] (see
-        LMHead). `select` [B, N]: score only the hidden states at these positions (targets then [B, N]): the positions
+        LMHead); with `entropy`, [B, T, 2]: (that log-prob, the full distribution's entropy) per position. `select`
+        [B, N]: score only the hidden states at these positions (targets then [B, N]): the positions
         that predict response tokens, so prompt positions never reach the 151936-wide head. Going through module calls
         (never reaching into a weight from outside) matters: FSDP2 unshards a unit's weights in its forward hooks."""
         h = self.hidden(input_ids, position_ids, mask, cache, start)
         if select is not None:
             h = h.gather(1, select[..., None].expand(-1, -1, h.shape[-1]))
-        return self.lm_head(h, targets, temperature, chunk)
+        return self.lm_head(h, targets, temperature, chunk, entropy)
 
     def new_cache(self, batch, length, dtype=None, device=None):
         p = self.lm_head.weight
@@ -291,9 +292,10 @@ class Qwen3(nn.Module):
 # per-token log-probs without materializing [B, T, vocab]
 
 
-def _chunk_logprobs(h, w, targets, temperature):
-    logits = (h @ w.t()).float() / temperature
-    return torch.gather(logits.log_softmax(-1), -1, targets[..., None])[..., 0]
+def _chunk_logprobs(h, w, targets, temperature, entropy=False):
+    logp = ((h @ w.t()).float() / temperature).log_softmax(-1)
+    lp = torch.gather(logp, -1, targets[..., None])[..., 0]
+    return torch.stack((lp, -(logp.exp() * logp).sum(-1)), -1) if entropy else lp
 
 
 def token_logprobs(model, input_ids, targets, temperature=1.0, chunk=1024):

@@ -132,6 +132,13 @@ def test_chunked_logprobs_match_full_softmax():
     lp = M.token_logprobs(m, ids, tgt, temperature=temp, chunk=7)  # chunks that do not divide B*T
     g = torch.autograd.grad(lp.sum(), m.model.embed_tokens.weight)[0]
     assert (lp - ref).abs().max().item() < 1e-5 and (g - g_ref).abs().max().item() < 1e-5
+    # with entropy=True: the same log-probs and each position's entropy, against torch.distributions (value, gradient)
+    ent_ref = torch.distributions.Categorical(logits=m(ids) / temp).entropy()
+    ge_ref = torch.autograd.grad(ent_ref.sum(), m.model.embed_tokens.weight)[0]
+    both = m(ids, targets=tgt, temperature=temp, chunk=7, entropy=True)
+    assert both.shape == (*ids.shape, 2) and (both[..., 0] - ref).abs().max().item() < 1e-5
+    ge = torch.autograd.grad(both[..., 1].sum(), m.model.embed_tokens.weight)[0]
+    assert (both[..., 1] - ent_ref).abs().max().item() < 1e-5 and (ge - ge_ref).abs().max().item() < 1e-5
 
 
 def test_checkpoint_roundtrip_transformers(tiny_dir, tmp_path):
@@ -1422,6 +1429,19 @@ def test_truncated_importance_sampling_by_hand():
         assert logp.grad[0].tolist() == pytest.approx([-r[0] * w[0] / 2, -r[1] * w[1] / 2], rel=1e-6)
     plain, _ = G.ppo_loss(logp, old, adv, mask, 2, sampler_logp=slp, tis_cap=0.0)
     assert plain.item() == pytest.approx(-(r[0] + r[1]) / 2, rel=1e-6)
+
+
+def test_entropy_bonus_by_hand():
+    """loss = PPO term - coef x entropy, token-mean over the mask; the bonus's gradient is -coef/n per token."""
+    lp = torch.log(torch.tensor([[0.5, 1.1, 2.0]]))  # ratios 0.5, 1.1, 2.0 (old = 0)
+    ent = torch.tensor([[0.3, 0.9, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: neither term counts
+    loss, st = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.1)
+    assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2) and st["entropy_sum"] == pytest.approx(1.2)
+    loss.backward()
+    assert ent.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
+    off, _ = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.0)
+    assert off.item() == pytest.approx((-0.5 - 1.1) / 2)
 
 
 def test_k3_kl_nonnegative_and_zero_when_equal():

@@ -18,7 +18,7 @@ What this script simplifies, and why:
  3. Every rank holds one engine and generates for its own envs; there is no central scheduler. With per_role
     policies that engine serves each role's policy in turn (weights swapped in from a host copy, rollout.PolicySwitch).
  4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL to the
-    initial weights.
+    initial weights, `--entropy_coef` an entropy bonus.
  5. Before loading anything, memory.py plans the per-rank GPU memory of the configuration and a GPU run that
     cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
  6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
@@ -68,6 +68,7 @@ eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
 dual_clip = 3.0            # cap on the loss of negative-advantage tokens; 0 disables
 kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
+entropy_coef = 0.0         # entropy bonus: each token's loss minus this x the policy's entropy there (verl entropy_coeff); 0 = none (paper)
 alpha = 1.0                # weight of the team reward in every call's reward
 branch = "greedy"          # greedy: the argmax branch continues (paper); random: a random sibling does (ablation)
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
@@ -430,8 +431,11 @@ class Batch:
 DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row: keeps every rank's FSDP collectives in step
 
 
-def row_logprobs(model, b, cfg):
-    return model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn, select=b.sel)
+def row_logprobs(model, b, cfg, entropy=False):
+    """Per-token log-probs [B, T] of a collated batch; with `entropy`, (log-probs, entropies) [B, T] each."""
+    out = model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn, select=b.sel,
+                entropy=entropy)
+    return (out[..., 0], out[..., 1]) if entropy else out
 
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
@@ -440,7 +444,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     samples = [s for s in samples if s.response_ids]
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, minibatch_split(cfg))]
     rows = [r for c in chunks for r in c]
-    stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, grad_norm=0.0, rows=len(rows),
+    stats = dict(loss=0.0, clip=0.0, tokens=0.0, dlogp=0.0, kl=0.0, entropy=0.0, grad_norm=0.0, rows=len(rows),
                  trained_tokens=float(sum(len(r.ids) for r in rows)))
     old_lp = {}
     if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
@@ -463,7 +467,11 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             b = collate(mb, device)
             if mb[0] is DUMMY:
                 b.w.zero_()
-            lp = row_logprobs(model, b, cfg)
+            ent = None
+            if cfg["entropy_coef"]:
+                lp, ent = row_logprobs(model, b, cfg, entropy=True)
+            else:
+                lp = row_logprobs(model, b, cfg)
             old = lp.detach()
             if old_lp and mb[0] is not DUMMY:
                 old = torch.zeros_like(lp)
@@ -474,12 +482,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
                 with torch.no_grad():
                     ref_lp = row_logprobs(ref, b, cfg)
             loss, st = ppo_loss(lp, old, b.adv, b.w, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp,
-                                cfg["kl_coef"], sampler_logp=b.slp, tis_cap=cfg["tis_cap"])
+                                cfg["kl_coef"], sampler_logp=b.slp, tis_cap=cfg["tis_cap"], entropy=ent,
+                                entropy_coef=cfg["entropy_coef"])
             (loss * world).backward()  # FSDP averages gradients over ranks; the token-mean already spans all ranks
             stats["loss"] += loss.item()
             stats["clip"] += st["clip_tokens"]
             stats["tokens"] += st["tokens"]
             stats["kl"] += st["kl_sum"]
+            stats["entropy"] += st["entropy_sum"]
             stats["dlogp"] += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer before this step's updates
         gn = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], cfg["grad_clip"])
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
@@ -994,7 +1004,7 @@ def main(argv):
         for k in ("zero_var_frac", "group_size"):
             rec[k] = sum(x["diag"][k] for x in allr) / world
         for p, st in enumerate(pstats):
-            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"], st["trained_tokens"]], world)
+            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"], st["trained_tokens"], st["entropy"]], world)
             rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
             rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
             rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
@@ -1010,6 +1020,8 @@ def main(argv):
             rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
             if cfg["kl_coef"]:
                 rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
+            if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the step's trained tokens (nats)
+                rec[f"entropy_p{p}"] = tot[5] / max(1, tot[1])
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
                    t_step=t3 - t0, time=time.time() - t_start)
         if device.type == "cuda":  # per-phase peak of torch's allocator, max over ranks (GiB)
