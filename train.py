@@ -89,6 +89,7 @@ time_limit_min = None      # stop (with a final eval and checkpoint) after this 
 stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
                            # spans --steps, so a run stopped at step N equals the first N steps of the full run
 warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
+warmup_moves = 4           # tiny model only: the warm-up's random move answers have 1..this many moves
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
 tis_cap = None             # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
@@ -241,17 +242,25 @@ def gather(obj, world=None):
 # the embedded tiny model: a random Qwen3 warmed up on the answer format only
 
 
-def random_answer(task, rng):
+def random_answer(task, rng, max_moves=4):
     if task == "sudoku":  # 16 cells, 0 = "no answer for this cell"
         return "".join(str(rng.randint(0, 4)) for _ in range(16))
-    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, 4)))
+    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
 def build_tiny_base(path, task, cfg, size="tiny"):
     """Random tiny Qwen3 + tokenizer, then `warmup_steps` of SFT on (observation, *random* valid answer) pairs for the
     compact task, so that the policy starts out emitting well-formed moves with no task skill (the analogue of a
-    real base model that knows the output format). Cached: every ablation starts from the same weights."""
+    real base model that knows the output format). Cached: every ablation starts from the same weights. The cache
+    records its warm-up settings (warmup.json; a folder without one predates it: 150 steps, 1-4 moves), and a run
+    asking for other settings stops instead of training from a base it did not ask for."""
+    want = {"warmup_steps": cfg["warmup_steps"], "warmup_moves": cfg["warmup_moves"]}
     if os.path.exists(os.path.join(path, "config.json")):
+        rec = os.path.join(path, "warmup.json")
+        have = json.load(open(rec)) if os.path.exists(rec) else {"warmup_steps": 150, "warmup_moves": 4}
+        if have != want:
+            raise SystemExit(f"the cached tiny base {path} was built with {have}, this run asks for {want}: delete that "
+                             f"folder (it is rebuilt) or give this run an --out_dir in another folder")
         return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -269,9 +278,9 @@ def build_tiny_base(path, task, cfg, size="tiny"):
                 env = E.train_env(task, rng, compact=True)
                 role = rng.choice(roles)
                 if role == "plan" and rng.random() < 0.7:
-                    env.step("tool", random_answer(task, rng))
+                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"]))
                 p = agents.render(env.observe(role))
-                a = tok.encode(random_answer(task, rng), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                a = tok.encode(random_answer(task, rng, cfg["warmup_moves"]), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
                 batch.append((p, a))
             T = max(len(p) + len(a) for p, a in batch)
             ids = torch.zeros(len(batch), T, dtype=torch.long)
@@ -287,6 +296,7 @@ def build_tiny_base(path, task, cfg, size="tiny"):
             if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
                 print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss.item():.3f}", flush=True)
         M.save_model(m, tmp)
+    json.dump(want, open(os.path.join(tmp, "warmup.json"), "w"))
     os.replace(tmp, path)
 
 
