@@ -915,7 +915,8 @@ def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
     rng = random.Random(0)
     for task in ("plan", "sokoban", "sudoku"):
         budget = T.configure(["--task", task])["max_new_tokens"]
-        longest = max(len(tok.encode(T.random_answer(task, rng), add_special_tokens=False)) for _ in range(50))
+        moves = T.configure(["--task", task])["warmup_moves"]  # the format warm-up's longest answers
+        longest = max(len(tok.encode(T.random_answer(task, rng, moves), add_special_tokens=False)) for _ in range(200))
         assert longest + 1 <= budget, (task, longest, budget)
 
 
@@ -1956,9 +1957,16 @@ def test_bad_flags_fail_fast(tmp_path):
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
                       (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
                       (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
-                      (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]")]:
+                      (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
+                      (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]")]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
+    # a cached tiny base built with other warm-up settings (here: one from before warmup.json, 150 steps of 1-4 moves)
+    # is not silently reused by a run that asks for another warm-up
+    os.makedirs(tmp_path / "tiny-base-plan-s0")
+    (tmp_path / "tiny-base-plan-s0" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="was built with .*'warmup_moves': 4.* asks for .*'warmup_moves': 7"):
+        T.main(["--warmup_moves", "7", "--out_dir", str(tmp_path / "run")])
 
 
 def test_resolve_policies_role_maps_settings_and_misuse(tiny_dir):

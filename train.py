@@ -592,6 +592,9 @@ def configure(argv):
         raise SystemExit("--lr_decay (a fraction of --steps) and --lr_min (a fraction of --lr) must lie in [0, 1]")
     if not 0 <= cfg["stop_step"] <= cfg["steps"]:
         raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] (0 = run all the steps)")
+    if tiny and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= cfg["max_new_tokens"] - 1:
+        raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, --max_new_tokens - 1 = "
+                         f"{cfg['max_new_tokens'] - 1}]: a warm-up answer and its end of turn must fit the response budget")
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
                          "use --split groups")
