@@ -67,10 +67,13 @@ def activation_bytes(cfg, tokens, checkpoint, b=2):
     return L * layer + 2 * b * h * tokens
 
 
-def logits_bytes(cfg, tokens, chunk):
+def logits_bytes(cfg, tokens, chunk, entropy=False):
     """One [chunk, vocab] block in the head's backward recompute: bf16 logits, fp32 copy, /T, log_softmax (saved), and
-    its gradient chain (fp32), ~18 bytes per entry at peak; plus the head's saved input (b h per token)."""
-    return 18 * min(chunk, tokens) * cfg.vocab_size + 2 * cfg.hidden_size * tokens
+    its gradient chain (fp32), ~18 bytes per entry at peak; plus the head's saved input (b h per token). The entropy
+    (--entropy_coef) adds p = exp(log_softmax), saved for p x log p (+4 bytes per entry: the test measures it with
+    saved_tensors_hooks), and ~3 fp32 gradients in that product's backward (+12, counted from the ops, not measured on
+    a GPU): +16 in all."""
+    return (34 if entropy else 18) * min(chunk, tokens) * cfg.vocab_size + 2 * cfg.hidden_size * tokens
 
 
 def lora_count(cfg, r):
@@ -93,7 +96,8 @@ def kv_bytes_per_token(cfg, b=2):
 
 
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
-         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0):
+         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
+         entropy=False):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: rollout.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
@@ -106,7 +110,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
     unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
     unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
     act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint)
-    logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk)
+    logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk, entropy)
     if engine == "vllm":
         awake = gpu_memory_utilization * G
         weights_only = 2 * c.total

@@ -568,6 +568,19 @@ def test_memory_planner_formulas_vs_measured():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
         return sum(seen.values())
+    # the head's chunk: what the entropy (--entropy_coef) adds to the saved tensors, per [chunk, vocab] entry
+    def head_saved(entropy):
+        h, w = torch.randn(64, 32, requires_grad=True), torch.randn(1000, 32, requires_grad=True)
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            M._chunk_logprobs(h, w, torch.randint(0, 1000, (64,)), 1.0, entropy)
+        return sum(seen.values()) / (64 * 1000)
+    assert head_saved(True) - head_saved(False) == pytest.approx(4.0, abs=0.01)  # memory.logits_bytes: the +4 of +16
+
     T = 32
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}

@@ -628,6 +628,7 @@ def memory_plan(cfg, world, gpu_gb):
                        micro_batch_tokens=max(p.micro_batch_tokens for p in pols), grad_checkpoint=cfg["grad_checkpoint"],
                        engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
                        rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
+                       entropy=cfg["entropy_coef"] > 0,
                        pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0)
 
 
