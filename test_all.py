@@ -1643,20 +1643,24 @@ def test_minibatch_splits():
 
 
 @pytest.mark.parametrize("n_mini", [1, 3])
-def test_packed_update_equals_per_sample_update(tiny_dir, n_mini):
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef):
     """A whole update_policy (with 3 mini-batches: three optimizer steps and a recomputed pi_old) lands on the same
-    weights packed or not, given the same mini-batch split (--split groups: sibling groups stay together)."""
+    weights packed or not, given the same mini-batch split (--split groups: sibling groups stay together); with the
+    entropy bonus too (each packed token's entropy must be its own sample's)."""
     import train as T
     samples = _sibling_groups(5, n_groups=7)
     out = []
     for pack in (False, True):
         m = M.load_model(tiny_dir)
         cfg = {k: getattr(T, k) for k in T.config_keys}
-        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0, split="groups")
+        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0, split="groups",
+                   entropy_coef=entropy_coef)
         st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, cfg, 1, torch.device("cpu"))
         out.append((st, dict(m.named_parameters())))
     (a, wa), (b, wb) = out
     assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens"] == b["tokens"] and b["trained_tokens"] < a["trained_tokens"]
+    assert abs(a["entropy"] - b["entropy"]) < 1e-4 * max(1.0, a["entropy"]) and (a["entropy"] > 0) == (entropy_coef > 0)
     for k in wa:
         assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
 
