@@ -179,6 +179,11 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
 RUN_LENGTH = ("stop_step", "time_limit_min")  # where a run stops: with at_step they do not tell configurations apart
 
 
+def flag_defaults():
+    import train as T
+    return {k: getattr(T, k) for k in T.config_keys}
+
+
 def group_runs(run_dirs, need_config=True, at_step=None):
     """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
     out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
@@ -193,7 +198,9 @@ def group_runs(run_dirs, need_config=True, at_step=None):
         cfg = None
         if os.path.exists(cpath):
             skip = ("seed", "out_dir", "resume", "resolved_policies") + (RUN_LENGTH if at_step is not None else ())
-            cfg = {k: v for k, v in json.load(open(cpath)).items() if k not in skip}
+            # a flag missing from an older run's config.json was added after it: the run had the behaviour the flag's
+            # default keeps (new flags default to the old behaviour), so it groups with new runs at that default
+            cfg = {k: v for k, v in {**flag_defaults(), **json.load(open(cpath))}.items() if k not in skip}
         rec = [json.loads(l) for l in open(mpath) if l.strip()]
         if at_step is not None:
             last = max((r["step"] for r in rec), default=0)

@@ -2302,7 +2302,15 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
         (d / "metrics.jsonl").write_text("".join(json.dumps({"step": st, "time": 6.0 * st, "eval_success": y}) + "\n"
                                                  for st, y in ((0, 0.1), (10, 0.3 + seed / 10), (20, 0.9))[:3 - seed]))
     cs = [str(tmp_path / "c0"), str(tmp_path / "c1")]
-    assert list(V.group_runs(cs)) == ["--stop_step None --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
+    assert list(V.group_runs(cs)) == ["--stop_step 0 --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
+    # a flag an older run's config.json lacks (added later) counts at train.py's default, which keeps the old behaviour
+    for name, extra in (("e0", {}), ("e1", {"entropy_coef": 0.0}), ("e2", {"entropy_coef": 0.05})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": int(name[1]), "out_dir": str(d), **extra}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 0.0, "eval_success": 0.1}) + "\n")
+    es = [str(tmp_path / n) for n in ("e0", "e1", "e2")]
+    assert {k: len(v) for k, v in V.group_runs(es).items()} == {"--entropy_coef 0.0": 2, "--entropy_coef 0.05": 1}
     assert list(V.group_runs(cs, at_step=10)) == ["(one configuration)"]
     assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
