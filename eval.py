@@ -190,7 +190,7 @@ def group_runs(run_dirs, need_config=True, at_step=None):
     allowed with need_config=False) is a group of its own, labelled by its directory name. at_step: keep each run's
     records up to that step only (step-matched comparisons of runs of different lengths or speeds); every run must
     have reached it, and then the settings that only say where a run stops (RUN_LENGTH) are not configuration."""
-    runs = []
+    runs, defaults = [], flag_defaults()
     for d in run_dirs:
         cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
         if not os.path.exists(mpath) or (need_config and not os.path.exists(cpath)):
@@ -200,7 +200,7 @@ def group_runs(run_dirs, need_config=True, at_step=None):
             skip = ("seed", "out_dir", "resume", "resolved_policies") + (RUN_LENGTH if at_step is not None else ())
             # a flag missing from an older run's config.json was added after it: the run had the behaviour the flag's
             # default keeps (new flags default to the old behaviour), so it groups with new runs at that default
-            cfg = {k: v for k, v in {**flag_defaults(), **json.load(open(cpath))}.items() if k not in skip}
+            cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
         rec = [json.loads(l) for l in open(mpath) if l.strip()]
         if at_step is not None:
             last = max((r["step"] for r in rec), default=0)

@@ -248,16 +248,19 @@ def random_answer(task, rng, max_moves=4):
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
+WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
+
+
 def build_tiny_base(path, task, cfg, size="tiny"):
     """Random tiny Qwen3 + tokenizer, then `warmup_steps` of SFT on (observation, *random* valid answer) pairs for the
     compact task, so that the policy starts out emitting well-formed moves with no task skill (the analogue of a
     real base model that knows the output format). Cached: every ablation starts from the same weights. The cache
-    records its warm-up settings (warmup.json; a folder without one predates it: 150 steps, 1-4 moves), and a run
+    records its warm-up settings (warmup.json; a folder without one predates it: WARMUP_BEFORE_RECORD), and a run
     asking for other settings stops instead of training from a base it did not ask for."""
     want = {"warmup_steps": cfg["warmup_steps"], "warmup_moves": cfg["warmup_moves"]}
     if os.path.exists(os.path.join(path, "config.json")):
         rec = os.path.join(path, "warmup.json")
-        have = json.load(open(rec)) if os.path.exists(rec) else {"warmup_steps": 150, "warmup_moves": 4}
+        have = json.load(open(rec)) if os.path.exists(rec) else WARMUP_BEFORE_RECORD
         if have != want:
             raise SystemExit(f"the cached tiny base {path} was built with {have}, this run asks for {want}: delete that "
                              f"folder (it is rebuilt) or give this run an --out_dir in another folder")
@@ -477,11 +480,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             b = collate(mb, device)
             if mb[0] is DUMMY:
                 b.w.zero_()
-            ent = None
-            if cfg["entropy_coef"]:
-                lp, ent = row_logprobs(model, b, cfg, entropy=True)
-            else:
-                lp = row_logprobs(model, b, cfg)
+            lp, ent = (row_logprobs(model, b, cfg, entropy=True) if cfg["entropy_coef"]
+                       else (row_logprobs(model, b, cfg), None))
             old = lp.detach()
             if old_lp and mb[0] is not DUMMY:
                 old = torch.zeros_like(lp)
