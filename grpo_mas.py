@@ -10,6 +10,9 @@ The three algorithms differ only in two things, both visible in `KEYS` below:
     dr_mas    (env, agent)              the call's reward a*team + local      that agent's calls, all turns, K trajectories
 
     A = (x - mean(x)) / (std(x) + 1e-6)       std: population std over the group's units
+    A = x - mean(x)                           with scale="none" (Dr. GRPO; TRL scale_rewards="none", verl
+                                              norm_adv_by_std_in_grpo=False): a group whose rewards differ by
+                                              0.01 is not blown up to the same +-1 as one that differs by 10
 
 For `grpo` the return of a sample is the sum of its own agent's per-call rewards over its trajectory (team term
 included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
@@ -35,10 +38,13 @@ VALUE = {  # (unit, value): statistics are over distinct units
 }
 
 
-def compute_advantages(samples, algo, drop_zero_var=False, eps=1e-6):
-    """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop."""
+def compute_advantages(samples, algo, drop_zero_var=False, scale="group", eps=1e-6):
+    """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop.
+    `scale`: "group" divides by the group's std (GRPO), "none" only subtracts its mean (Dr. GRPO)."""
     if algo not in KEYS:
         raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
+    if scale not in ("group", "none"):
+        raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group or none")
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
@@ -52,7 +58,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, eps=1e-6):
         if sd < 1e-12:
             zero_var += 1
         for s in g:
-            s.adv = (VALUE[algo](s)[1] - mu) / (sd + eps)
+            s.adv = (VALUE[algo](s)[1] - mu) / ((sd + eps) if scale == "group" else 1.0)
         if not (drop_zero_var and sd < 1e-12):
             kept += g
     diag = {"groups": len(groups), "zero_var_frac": zero_var / max(1, len(groups)),

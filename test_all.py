@@ -1407,6 +1407,23 @@ def test_group_keys_and_advantages_by_hand():
         G.compute_advantages(ss, "ppo")
 
 
+def test_scale_rewards_none_subtracts_the_group_mean_only():
+    # Dr. GRPO (TRL scale_rewards="none"): A = r - mean(r), by hand. A group whose rewards differ by 0.01 keeps
+    # advantages of +-0.005; the std-scaled default turns them into +-1, as large as a group that differs by 4
+    ss = [_s(0, "plan", 0, 0, 1.00), _s(0, "plan", 0, 1, 1.01), _s(1, "plan", 0, 0, 0.0), _s(1, "plan", 0, 1, 4.0),
+          _s(1, "plan", 0, 2, 2.0), _s(2, "plan", 0, 0, 3.0), _s(2, "plan", 0, 1, 3.0)]
+    kept, diag = G.compute_advantages(ss, "at_grpo", scale="none")
+    assert [s.adv for s in ss] == pytest.approx([-0.005, 0.005, -2.0, 2.0, 0.0, 0.0, 0.0])
+    assert diag["zero_var_frac"] == pytest.approx(1 / 3) and len(kept) == 7
+    G.compute_advantages(ss, "at_grpo")
+    assert ss[1].adv == pytest.approx(1.0, abs=1e-3) and ss[3].adv == pytest.approx(2 / math.sqrt(8 / 3), abs=1e-5)
+    # dr_mas with scale none: the agent's pooled mean only ((env 1, plan) pools 0, 4, 2 -> mean 2)
+    G.compute_advantages(ss, "dr_mas", scale="none")
+    assert [s.adv for s in ss[2:5]] == pytest.approx([-2.0, 2.0, 0.0])
+    with pytest.raises(ValueError, match="scale_rewards group or none"):
+        G.compute_advantages(ss, "at_grpo", scale="batch")
+
+
 def test_ppo_loss_clip_regions_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.5, 1.1, 5.0]]))  # ratios (old = 0): 0.5, 1.5, 1.1, 5.0
     old = torch.zeros(1, 4)
@@ -1973,7 +1990,7 @@ def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
                       (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
-                      (["--drop_zero_var", "maybe"], "true or false"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
+                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "batch"], "not one of group, none"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
                       (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
                       (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]")]:
         with pytest.raises(SystemExit, match=msg):
