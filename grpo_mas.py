@@ -10,9 +10,12 @@ The three algorithms differ only in two things, both visible in `KEYS` below:
     dr_mas    (env, agent)              the call's reward a*team + local      that agent's calls, all turns, K trajectories
 
     A = (x - mean(x)) / (std(x) + 1e-6)       std: population std over the group's units
-    A = x - mean(x)                           with scale="none" (Dr. GRPO; TRL scale_rewards="none", verl
+    A = x - mean(x)                           scale="none" (Dr. GRPO; TRL scale_rewards="none", verl
                                               norm_adv_by_std_in_grpo=False): a group whose rewards differ by
                                               0.01 is not blown up to the same +-1 as one that differs by 10
+    A = (x - mean(x)) / (std_batch + 1e-6)    scale="batch" (TRL scale_rewards="batch"; "Lite PPO", Liu et al.
+                                              2025): the group's mean, one std over every unit of the step on
+                                              every rank, so advantages keep a unit scale without that blow-up
 
 For `grpo` the return of a sample is the sum of its own agent's per-call rewards over its trajectory (team term
 included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
@@ -38,27 +41,33 @@ VALUE = {  # (unit, value): statistics are over distinct units
 }
 
 
-def compute_advantages(samples, algo, drop_zero_var=False, scale="group", eps=1e-6):
+def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6):
     """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop.
-    `scale`: "group" divides by the group's std (GRPO), "none" only subtracts its mean (Dr. GRPO)."""
+    `scale`: "group" divides by the group's std (GRPO), "none" only subtracts its mean (Dr. GRPO), "batch" divides by
+    the std of every unit of the step; `all_sum` sums a list of floats over ranks (each rank holds its own envs)."""
     if algo not in KEYS:
         raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
-    if scale not in ("group", "none"):
-        raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group or none")
+    if scale not in ("group", "none", "batch"):
+        raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
+    units = {key: list(dict(VALUE[algo](s) for s in g).values()) for key, g in groups.items()}
+    if scale == "batch":  # population std of every unit's value on every rank
+        n, s1, s2 = all_sum([float(sum(len(x) for x in units.values())), sum(sum(x) for x in units.values()),
+                             sum(v * v for x in units.values() for v in x)])
+        batch_sd = math.sqrt(max(0.0, s2 / max(n, 1.0) - (s1 / max(n, 1.0)) ** 2))
     kept, zero_var, sizes = [], 0, []
     for key, g in groups.items():
-        units = dict(VALUE[algo](s) for s in g)
-        x = list(units.values())
+        x = units[key]
         mu = sum(x) / len(x)
         sd = math.sqrt(sum((v - mu) ** 2 for v in x) / len(x))
         sizes.append(len(g))
         if sd < 1e-12:
             zero_var += 1
+        div = sd + eps if scale == "group" else batch_sd + eps if scale == "batch" else 1.0
         for s in g:
-            s.adv = (VALUE[algo](s)[1] - mu) / ((sd + eps) if scale == "group" else 1.0)
+            s.adv = (VALUE[algo](s)[1] - mu) / div
         if not (drop_zero_var and sd < 1e-12):
             kept += g
     diag = {"groups": len(groups), "zero_var_frac": zero_var / max(1, len(groups)),

@@ -1407,7 +1407,7 @@ def test_group_keys_and_advantages_by_hand():
         G.compute_advantages(ss, "ppo")
 
 
-def test_scale_rewards_none_subtracts_the_group_mean_only():
+def test_scale_rewards_none_and_batch_by_hand():
     # Dr. GRPO (TRL scale_rewards="none"): A = r - mean(r), by hand. A group whose rewards differ by 0.01 keeps
     # advantages of +-0.005; the std-scaled default turns them into +-1, as large as a group that differs by 4
     ss = [_s(0, "plan", 0, 0, 1.00), _s(0, "plan", 0, 1, 1.01), _s(1, "plan", 0, 0, 0.0), _s(1, "plan", 0, 1, 4.0),
@@ -1420,8 +1420,20 @@ def test_scale_rewards_none_subtracts_the_group_mean_only():
     # dr_mas with scale none: the agent's pooled mean only ((env 1, plan) pools 0, 4, 2 -> mean 2)
     G.compute_advantages(ss, "dr_mas", scale="none")
     assert [s.adv for s in ss[2:5]] == pytest.approx([-2.0, 2.0, 0.0])
-    with pytest.raises(ValueError, match="scale_rewards group or none"):
-        G.compute_advantages(ss, "at_grpo", scale="batch")
+    # batch (TRL scale_rewards="batch"): the group's mean, the population std of all 7 rewards of the step
+    r = [1.00, 1.01, 0.0, 4.0, 2.0, 3.0, 3.0]
+    m = sum(r) / 7
+    bsd = math.sqrt(sum((v - m) ** 2 for v in r) / 7)
+    G.compute_advantages(ss, "at_grpo", scale="batch")
+    assert [s.adv for s in ss] == pytest.approx([v / bsd for v in [-0.005, 0.005, -2.0, 2.0, 0.0, 0.0, 0.0]])
+    # ... over every rank: all_sum adds another rank's (count, sum, sum of squares) = rewards 10 and 20
+    r2 = r + [10.0, 20.0]
+    m2 = sum(r2) / 9
+    bsd2 = math.sqrt(sum((v - m2) ** 2 for v in r2) / 9)
+    G.compute_advantages(ss, "at_grpo", scale="batch", all_sum=lambda v: [v[0] + 2, v[1] + 30.0, v[2] + 500.0])
+    assert ss[3].adv == pytest.approx(2.0 / bsd2)
+    with pytest.raises(ValueError, match="scale_rewards group, none or batch"):
+        G.compute_advantages(ss, "at_grpo", scale="rank")
 
 
 def test_ppo_loss_clip_regions_by_hand():
@@ -1990,7 +2002,7 @@ def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
                       (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
-                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "batch"], "not one of group, none"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
+                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "rank"], "not one of group, none, batch"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
                       (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
                       (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]")]:
         with pytest.raises(SystemExit, match=msg):

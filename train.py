@@ -72,7 +72,8 @@ entropy_coef = 0.0         # entropy bonus: each token's loss minus this x the p
 alpha = 1.0                # weight of the team reward in every call's reward
 branch = "greedy"          # greedy: the argmax branch continues (paper); random: a random sibling does (ablation)
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
-scale_rewards = "group"    # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO)
+scale_rewards = "group"    # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO);
+                           # batch: (r - group mean) / the std of all the step's rewards (TRL scale_rewards="batch")
 temperature = 1.0          # training sampling temperature; the trainer divides logits by it too
 top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
 max_new_tokens = None      # response budget per call (tiny: the compact answer's length, envs.COMPACT_ANSWER_TOKENS)
@@ -117,7 +118,7 @@ DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"],
            "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"], "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"],
-           "scale_rewards": ["group", "none"]}
+           "scale_rewards": ["group", "none", "batch"]}
 LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the default lr (Thinking Machines, "LoRA Without Regret", 2025)
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
 TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
@@ -985,7 +986,8 @@ def main(argv):
             samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"])
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"],
+                                        lambda v: all_sum(v, world))
         mem = {"mem_rollout": cuda_peak_gib()}
 
         if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
