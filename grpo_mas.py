@@ -53,9 +53,10 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     for s in samples:
         groups[KEYS[algo](s)].append(s)
     units = {key: list(dict(VALUE[algo](s) for s in g).values()) for key, g in groups.items()}
+    batch_sd = 0.0
     if scale == "batch":  # population std of every unit's value on every rank
-        n, s1, s2 = all_sum([float(sum(len(x) for x in units.values())), sum(sum(x) for x in units.values()),
-                             sum(v * v for x in units.values() for v in x)])
+        vals = [v for x in units.values() for v in x]
+        n, s1, s2 = all_sum([float(len(vals)), sum(vals), sum(v * v for v in vals)])
         batch_sd = math.sqrt(max(0.0, s2 / max(n, 1.0) - (s1 / max(n, 1.0)) ** 2))
     kept, zero_var, sizes = [], 0, []
     for key, g in groups.items():
@@ -65,7 +66,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         sizes.append(len(g))
         if sd < 1e-12:
             zero_var += 1
-        div = sd + eps if scale == "group" else batch_sd + eps if scale == "batch" else 1.0
+        div = {"group": sd + eps, "batch": batch_sd + eps, "none": 1.0}[scale]
         for s in g:
             s.adv = (VALUE[algo](s)[1] - mu) / div
         if not (drop_zero_var and sd < 1e-12):

@@ -986,8 +986,7 @@ def main(argv):
             samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"],
-                                        lambda v: all_sum(v, world))
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"], all_sum)
         mem = {"mem_rollout": cuda_peak_gib()}
 
         if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
