@@ -16,6 +16,10 @@ The three algorithms differ only in two things, both visible in `KEYS` below:
     A = (x - mean(x)) / (std_batch + 1e-6)    scale="batch" (TRL scale_rewards="batch"; "Lite PPO", Liu et al.
                                               2025): the group's mean, one std over every unit of the step on
                                               every rank, so advantages keep a unit scale without that blow-up
+    A = (x - mean(x)) / (max(std, floor) + 1e-6)   std_floor > 0 (with group or batch): a std under the floor is
+                                              taken as the floor, so a group whose rewards differ by a wall bump
+                                              (0.1) is not blown up to +-1.7 while one that differs by reaching
+                                              the goal (std ~0.5-1) keeps the paper's unit scale
 
 For `grpo` the return of a sample is the sum of its own agent's per-call rewards over its trajectory (team term
 included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
@@ -41,14 +45,17 @@ VALUE = {  # (unit, value): statistics are over distinct units
 }
 
 
-def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6):
+def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6, std_floor=0.0):
     """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop.
     `scale`: "group" divides by the group's std (GRPO), "none" only subtracts its mean (Dr. GRPO), "batch" divides by
-    the std of every unit of the step; `all_sum` sums a list of floats over ranks (each rank holds its own envs)."""
+    the std of every unit of the step; `all_sum` sums a list of floats over ranks (each rank holds its own envs);
+    `std_floor`: the least std either divides by, in reward units (0 = the paper)."""
     if algo not in KEYS:
         raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
     if scale not in ("group", "none", "batch"):
         raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
+    if not std_floor >= 0.0:
+        raise ValueError(f"std_floor {std_floor!r} must be >= 0: use --std_floor 0 (off) or a reward-unit floor such as 0.25")
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
@@ -66,7 +73,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         sizes.append(len(g))
         if sd < 1e-12:
             zero_var += 1
-        div = {"group": sd + eps, "batch": batch_sd + eps, "none": 1.0}[scale]
+        div = {"group": max(sd, std_floor) + eps, "batch": max(batch_sd, std_floor) + eps, "none": 1.0}[scale]
         for s in g:
             s.adv = (VALUE[algo](s)[1] - mu) / div
         if not (drop_zero_var and sd < 1e-12):

@@ -1436,6 +1436,30 @@ def test_scale_rewards_none_and_batch_by_hand():
         G.compute_advantages(ss, "at_grpo", scale="rank")
 
 
+def test_std_floor_by_hand():
+    # the wall-bump group of seed 2 (README): three siblings 1.0, one that bumped a wall 0.9. Its std is 0.0433, so
+    # the plain group std gives the bump -sqrt(3) = -1.73; with a floor of 0.25 it is (0.9 - 0.975) / 0.25 = -0.3
+    bump = [_s(0, "plan", 0, j, r) for j, r in enumerate([1.0, 1.0, 1.0, 0.9])]
+    # a group that differs by reaching the goal: 0, 0, 2.5, 2.5 (std 1.25 > floor): the floor leaves it at +-1
+    goal = [_s(1, "plan", 0, j, r) for j, r in enumerate([0.0, 0.0, 2.5, 2.5])]
+    ss = bump + goal
+    G.compute_advantages(ss, "at_grpo")
+    assert bump[3].adv == pytest.approx(-math.sqrt(3), abs=1e-4)
+    G.compute_advantages(ss, "at_grpo", std_floor=0.25)
+    assert [s.adv for s in bump] == pytest.approx([0.1, 0.1, 0.1, -0.3], abs=1e-5)
+    assert [s.adv for s in goal] == pytest.approx([-1.0, -1.0, 1.0, 1.0], abs=1e-5)
+    # with batch: the floor bounds the step's std the same way (here the batch std 1.19 is above it: unchanged)
+    r = [1.0, 1.0, 1.0, 0.9, 0.0, 0.0, 2.5, 2.5]
+    m = sum(r) / 8
+    bsd = math.sqrt(sum((v - m) ** 2 for v in r) / 8)
+    G.compute_advantages(ss, "at_grpo", scale="batch", std_floor=0.25)
+    assert goal[2].adv == pytest.approx(1.25 / bsd, abs=1e-5)
+    G.compute_advantages(bump, "at_grpo", scale="batch", std_floor=0.25)  # batch std 0.0433 < floor
+    assert bump[3].adv == pytest.approx(-0.3, abs=1e-5)
+    with pytest.raises(ValueError, match="std_floor -1 must be >= 0"):
+        G.compute_advantages(ss, "at_grpo", std_floor=-1)
+
+
 def test_ppo_loss_clip_regions_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.5, 1.1, 5.0]]))  # ratios (old = 0): 0.5, 1.5, 1.1, 5.0
     old = torch.zeros(1, 4)
@@ -2002,7 +2026,8 @@ def test_bad_flags_fail_fast(tmp_path):
     import train as T
     for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
                       (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
-                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "rank"], "not one of group, none, batch"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
+                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "rank"], "not one of group, none, batch"),
+                      (["--std_floor", "-0.1"], "--std_floor -0.1 must be >= 0"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
                       (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
                       (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]")]:
         with pytest.raises(SystemExit, match=msg):

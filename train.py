@@ -74,6 +74,7 @@ branch = "greedy"          # greedy: the argmax branch continues (paper); random
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
 scale_rewards = "group"    # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO);
                            # batch: (r - group mean) / the std of all the step's rewards (TRL scale_rewards="batch")
+std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the paper's plain std
 temperature = 1.0          # training sampling temperature; the trainer divides logits by it too
 top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
 max_new_tokens = None      # response budget per call (tiny: the compact answer's length, envs.COMPACT_ANSWER_TOKENS)
@@ -610,6 +611,8 @@ def configure(argv):
                          "at a Qwen3 folder")
     if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
+    if not cfg["std_floor"] >= 0.0:
+        raise SystemExit(f"--std_floor {cfg['std_floor']} must be >= 0 (0 = off; a floor in reward units, e.g. 0.25)")
     return cfg
 
 
@@ -986,7 +989,8 @@ def main(argv):
             samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"], all_sum)
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"], all_sum,
+                                         std_floor=cfg["std_floor"])
         mem = {"mem_rollout": cuda_peak_gib()}
 
         if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
