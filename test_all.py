@@ -1998,6 +1998,17 @@ def test_lr_schedule_matches_torch_schedulers():
         T.configure(["--lr_decay", "1.5"])
 
 
+def test_batch_std_steps_switches_the_division(tmp_path, monkeypatch):
+    # --batch_std_steps 2 --steps 3: the first two updates divide by the step's std, the third by the group's
+    import train as T
+    seen, real = [], T.compute_advantages
+    monkeypatch.setattr(T, "compute_advantages", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    T.main(SMOKE + ["--steps", "3", "--batch_std_steps", "2", "--out_dir", str(tmp_path / "r")])
+    assert seen == ["batch", "batch", "group"]
+    with pytest.raises(SystemExit, match="--batch_std_steps -1 must be >= 0"):
+        T.main(["--batch_std_steps", "-1"])
+
+
 def test_wandb_logs_what_metrics_jsonl_holds(tmp_path, monkeypatch):
     """--wandb PROJECT: every metrics line's numbers go to wandb.log at its step (a stand-in module records them);
     without the package the run stops at once with the install command."""

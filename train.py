@@ -75,6 +75,7 @@ drop_zero_var = False      # drop groups whose K rewards are all equal (their ad
 scale_rewards = "group"    # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO);
                            # batch: (r - group mean) / the std of all the step's rewards (TRL scale_rewards="batch")
 std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the paper's plain std
+batch_std_steps = 0        # the first this many steps use --scale_rewards batch, the rest --scale_rewards; 0 = none
 temperature = 1.0          # training sampling temperature; the trainer divides logits by it too
 top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
 max_new_tokens = None      # response budget per call (tiny: the compact answer's length, envs.COMPACT_ANSWER_TOKENS)
@@ -611,6 +612,8 @@ def configure(argv):
                          "at a Qwen3 folder")
     if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
+    if cfg["batch_std_steps"] < 0:
+        raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} must be >= 0 (0 = off)")
     if not cfg["std_floor"] >= 0.0:
         raise SystemExit(f"--std_floor {cfg['std_floor']} must be >= 0 (0 = off; a floor in reward units, e.g. 0.25)")
     return cfg
@@ -989,7 +992,8 @@ def main(argv):
             samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], cfg["scale_rewards"], all_sum,
+        scale = "batch" if step < cfg["batch_std_steps"] else cfg["scale_rewards"]
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale, all_sum,
                                          std_floor=cfg["std_floor"])
         mem = {"mem_rollout": cuda_peak_gib()}
 
