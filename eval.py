@@ -179,9 +179,13 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
 RUN_LENGTH = ("stop_step", "time_limit_min")  # where a run stops: with at_step they do not tell configurations apart
 
 
+# flags added with a default that changed the behaviour: what runs from before the flag did (config.json lacks it)
+BEFORE_FLAG = {"batch_std_steps": 0}  # 2026-11-23: the tiny default became 60; runs before divided by the group's std
+
+
 def flag_defaults():
     import train as T
-    return {k: getattr(T, k) for k in T.config_keys}
+    return {**{k: getattr(T, k) for k in T.config_keys}, **BEFORE_FLAG}
 
 
 def group_runs(run_dirs, need_config=True, at_step=None):
@@ -199,7 +203,8 @@ def group_runs(run_dirs, need_config=True, at_step=None):
         if os.path.exists(cpath):
             skip = ("seed", "out_dir", "resume", "resolved_policies") + (RUN_LENGTH if at_step is not None else ())
             # a flag missing from an older run's config.json was added after it: the run had the behaviour the flag's
-            # default keeps (new flags default to the old behaviour), so it groups with new runs at that default
+            # default keeps (new flags default to the old behaviour, or BEFORE_FLAG says what it was), so it groups
+            # with new runs at that value
             cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
         rec = [json.loads(l) for l in open(mpath) if l.strip()]
         if at_step is not None:

@@ -629,6 +629,8 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     real, tiny = T.configure(["--model", tiny_dir]), T.configure([])
     assert real["grad_checkpoint"] is True and tiny["grad_checkpoint"] is False
     assert real["tis_cap"] == 2.0 and tiny["tis_cap"] == 0.0
+    # real models keep the paper's group std from step 0; the tiny default divides by the step's std for 60 steps
+    assert real["batch_std_steps"] == 0 and tiny["batch_std_steps"] == 60 and tiny["scale_rewards"] == "group"
     with pytest.raises(SystemExit, match="top_p must be 1.0"):
         T.configure(["--top_p", "0.9"])
 
@@ -2376,6 +2378,15 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
         (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 0.0, "eval_success": 0.1}) + "\n")
     es = [str(tmp_path / n) for n in ("e0", "e1", "e2")]
     assert {k: len(v) for k, v in V.group_runs(es).items()} == {"--entropy_coef 0.0": 2, "--entropy_coef 0.05": 1}
+    # ... except a flag whose default changed the behaviour when it came (eval.BEFORE_FLAG): --batch_std_steps came
+    # with the tiny default 60, so a run from before it (no key) divided by the group's std from step 0, i.e. 0
+    for name, extra in (("f0", {}), ("f1", {"batch_std_steps": 0}), ("f2", {"batch_std_steps": 60})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": int(name[1]), "out_dir": str(d), **extra}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 0.0, "eval_success": 0.1}) + "\n")
+    fs = [str(tmp_path / n) for n in ("f0", "f1", "f2")]
+    assert {k: len(v) for k, v in V.group_runs(fs).items()} == {"--batch_std_steps 0": 2, "--batch_std_steps 60": 1}
     assert list(V.group_runs(cs, at_step=10)) == ["(one configuration)"]
     assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
