@@ -2371,21 +2371,17 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     cs = [str(tmp_path / "c0"), str(tmp_path / "c1")]
     assert list(V.group_runs(cs)) == ["--stop_step 0 --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
     # a flag an older run's config.json lacks (added later) counts at train.py's default, which keeps the old behaviour
-    for name, extra in (("e0", {}), ("e1", {"entropy_coef": 0.0}), ("e2", {"entropy_coef": 0.05})):
+    def bare_run(name, extra):  # config.json with only the seed, out_dir and `extra`; the untrained evaluation
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"seed": int(name[1]), "out_dir": str(d), **extra}))
         (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 0.0, "eval_success": 0.1}) + "\n")
-    es = [str(tmp_path / n) for n in ("e0", "e1", "e2")]
+        return str(d)
+    es = [bare_run(n, x) for n, x in (("e0", {}), ("e1", {"entropy_coef": 0.0}), ("e2", {"entropy_coef": 0.05}))]
     assert {k: len(v) for k, v in V.group_runs(es).items()} == {"--entropy_coef 0.0": 2, "--entropy_coef 0.05": 1}
     # ... except a flag whose default changed the behaviour when it came (eval.BEFORE_FLAG): --batch_std_steps came
     # with the tiny default 60, so a run from before it (no key) divided by the group's std from step 0, i.e. 0
-    for name, extra in (("f0", {}), ("f1", {"batch_std_steps": 0}), ("f2", {"batch_std_steps": 60})):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps({"seed": int(name[1]), "out_dir": str(d), **extra}))
-        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 0.0, "eval_success": 0.1}) + "\n")
-    fs = [str(tmp_path / n) for n in ("f0", "f1", "f2")]
+    fs = [bare_run(n, x) for n, x in (("f0", {}), ("f1", {"batch_std_steps": 0}), ("f2", {"batch_std_steps": 60}))]
     assert {k: len(v) for k, v in V.group_runs(fs).items()} == {"--batch_std_steps 0": 2, "--batch_std_steps 60": 1}
     assert list(V.group_runs(cs, at_step=10)) == ["(one configuration)"]
     assert V.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
