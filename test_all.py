@@ -2009,6 +2009,13 @@ def test_batch_std_steps_switches_the_division(tmp_path, monkeypatch):
     assert seen == ["batch", "batch", "group"]
     with pytest.raises(SystemExit, match="--batch_std_steps -1 must be >= 0"):
         T.main(["--batch_std_steps", "-1"])
+    # the schedule goes from the step's std to the group's: a run that asks for another --scale_rewards gets it from
+    # step 0 (the tiny default's 60 does not silently replace --scale_rewards none), and asking for both is an error
+    assert T.configure([])["batch_std_steps"] == 60
+    assert T.configure(["--scale_rewards", "none"])["batch_std_steps"] == 0
+    assert T.configure(["--scale_rewards", "batch"])["batch_std_steps"] == 0
+    with pytest.raises(SystemExit, match="use it with --scale_rewards group"):
+        T.configure(["--scale_rewards", "none", "--batch_std_steps", "10"])
 
 
 def test_wandb_logs_what_metrics_jsonl_holds(tmp_path, monkeypatch):

@@ -584,6 +584,8 @@ def configure(argv):
         cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
     if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
         cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
+    if cfg["batch_std_steps"] is None and cfg["scale_rewards"] != "group":  # the schedule ends on the group std: an
+        cfg["batch_std_steps"] = 0  # explicit --scale_rewards none/batch runs as asked from step 0
     for k, v in DEFAULTS["tiny" if tiny else "real"].items():
         if cfg[k] is None:
             cfg[k] = v
@@ -616,6 +618,9 @@ def configure(argv):
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
     if cfg["batch_std_steps"] < 0:
         raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} must be >= 0 (0 = off)")
+    if cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
+        raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with --scale_rewards group "
+                         f"(not {cfg['scale_rewards']}), or give --batch_std_steps 0")
     if not cfg["std_floor"] >= 0.0:
         raise SystemExit(f"--std_floor {cfg['std_floor']} must be >= 0 (0 = off; a floor in reward units, e.g. 0.25)")
     return cfg
