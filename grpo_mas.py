@@ -73,7 +73,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         sizes.append(len(g))
         if sd < 1e-12:
             zero_var += 1
-        div = {"group": max(sd, std_floor) + eps, "batch": max(batch_sd, std_floor) + eps, "none": 1.0}[scale]
+        div = 1.0 if scale == "none" else max(sd if scale == "group" else batch_sd, std_floor) + eps
         for s in g:
             s.adv = (VALUE[algo](s)[1] - mu) / div
         if not (drop_zero_var and sd < 1e-12):
