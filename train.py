@@ -887,42 +887,44 @@ def cuda_peak_gib(reset=True):
 
 
 # -----------------------------------------------------------------------------
-# main
+# main, phase by phase: refuse what cannot run, prepare the run's folder, build the policies, then each step
+# rollout -> advantages -> update -> weight sync -> one log line -> evaluate / checkpoint
 
 
-def main(argv):
-    global OWN_GROUP
-    cfg = configure(argv)
-    if cfg["dry_run"]:
-        raise SystemExit(print_memory_plan(cfg))
-    tiny = is_tiny(cfg)
-    if tiny and cfg["task"] in ("code", "math"):
+def refuse_early(cfg):
+    """What can be refused before anything loads: an env count that does not split over the ranks, and a GPU run
+    whose planned memory does not fit (with the flag to change)."""
+    if is_tiny(cfg) and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg["envs_per_step"] % world_env:
         raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} ranks: use a multiple of {world_env}")
-    if torch.cuda.is_available():  # refuse what cannot fit before loading anything
+    if torch.cuda.is_available():
         gpu_gb = cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2 ** 30
         plan = memory_plan(cfg, world_env, gpu_gb)
         if not plan["fits"]:
             raise SystemExit(f"this configuration needs {plan['peak']:.1f} GiB per GPU ({plan['phase']}), more than the "
                              f"{plan['limit']:.1f} GiB usable: {plan['fix']} (see: python train.py --dry_run ...)")
-    rank, world = setup_dist(cfg["nccl_timeout_min"])
-    master = rank == 0
-    device = DEVICE
-    out = cfg["out_dir"]
-    ckpt = os.path.join(out, "ckpt")
-    if cfg["resume"] and not os.path.exists(os.path.join(ckpt, "state.pt")):
-        raise SystemExit(f"--resume: no checkpoint in {ckpt!r}")
-    compact = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
-    roles = task_roles(cfg)
-    pols, role_to_policy = resolve_policies(cfg)
-    n_pol = len(pols)
 
-    # base weights: each policy's folder, or the cached tiny base of its size (built by rank 0)
+
+@dataclass
+class Start:
+    """Where the run begins: step 0, or the checkpoint's step when resuming."""
+    step: int = 0
+    time_before: float = 0.0   # training seconds before the checkpoint (--time_limit_min counts the whole run)
+    metrics_lines: int = 0     # metrics.jsonl lines the checkpoint had written (later ones are dropped)
+
+
+def prepare_run(cfg, pols, master, world):
+    """The base weights (each policy's folder, or the cached tiny base of its size, built by rank 0), the resume
+    point, and the run's folder: config.json, a copy of the code, an empty (or cut back) metrics.jsonl.
+    Returns (bases, Start)."""
+    out, ckpt = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
+
     def tiny_base(size):
         return os.path.join(os.path.dirname(os.path.abspath(out)),
                             f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}"))
+    tiny = is_tiny(cfg)
     bases = [tiny_base(p.base) if tiny else p.base for p in pols]
     if tiny:
         if master:
@@ -930,20 +932,121 @@ def main(argv):
                 build_tiny_base(tiny_base(p.base), cfg["task"], cfg, p.base)
         if world > 1:
             dist.barrier()
-    start_step, t_before = 0, 0.0
+    start = Start()
     if cfg["resume"]:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        start_step, t_before = state["step"], state.get("time", 0.0)  # training seconds before the checkpoint
+        start = Start(state["step"], state.get("time", 0.0), state["metrics_lines"])
     if master:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2)
         for src in ("train.py", "rollout.py", "grpo_mas.py", "envs.py", "model.py", "eval.py", "memory.py"):
             shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
+        metrics_path = os.path.join(out, "metrics.jsonl")
+        # a resume drops the lines written after its checkpoint, so the log equals an uninterrupted run's
+        lines = open(metrics_path).readlines()[:start.metrics_lines] if cfg["resume"] and os.path.exists(metrics_path) else []
+        open(metrics_path, "w").writelines(lines)
+    return bases, start
+
+
+def rollout_phase(cfg, step, rank, world, agents, sp, rows, compact, team, timer):
+    """This rank's share of the step's fresh envs, rolled out: AT-GRPO's tree (K candidates per agent and turn, the
+    best continues), or K independent trajectories per env (grpo, dr_mas). Returns (samples, training success)."""
+    rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
+    envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team)
+            for _ in range(cfg["envs_per_step"] // world)]
+    agents.seed_base = (cfg["seed"] * 7919 + step * 104729 + rank * 15485863) % (2 ** 31)
+    agents.calls = 0
+    if cfg["algo"] == "at_grpo":
+        samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], cfg["branch"], rng, timer)
+        return samples, sum(e.success for e in envs) / len(envs)
+    samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
+    trajectory_returns(samples)
+    return samples, sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
+
+
+def update_phase(cfg, step, models, opts, pols, refs, kept, world, device):
+    """One PPO-clip update per policy on its roles' samples, at this step's lr. Returns each policy's statistics."""
+    for p in range(len(pols)):  # the schedule is a function of the step alone, so a resumed run follows it exactly
+        for g in opts[p].param_groups:
+            g["lr"] = pols[p].lr * lr_factor(cfg, step)
+    return [update_policy(use_policy(models, pols, p), opts[p], [s for s in kept if s.policy == p],
+                          {**cfg, **{k: getattr(pols[p], k) for k in PER_ROLE}}, world, device, refs[p])
+            for p in range(len(pols))]
+
+
+def step_record(cfg, step, roles, local, pstats, opts, world, dlogp_hist, master):
+    """The step's metrics line (metrics.jsonl), summed or averaged over ranks; warns on rank 0 when a policy's
+    sampler/trainer log-prob gap jumps."""
+    allr = gather(local, world)
+    n_s = sum(x["n"] for x in allr)
+    rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
+           "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
+           "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr),
+           "lr_factor": lr_factor(cfg, step)}
+    for r in roles:
+        vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
+        rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
+    for k in ("zero_var_frac", "group_size"):
+        rec[k] = sum(x["diag"][k] for x in allr) / world
+    for p, st in enumerate(pstats):
+        tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"], st["trained_tokens"], st["entropy"]], world)
+        rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
+        rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
+        rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
+        # stale-sync alarm, relative: bf16 vLLM vs the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a jump
+        # against this run's own recent level means something (e.g. an engine that stopped receiving weights)
+        prev = sorted(dlogp_hist[p][-10:])
+        rec[f"dlogp_jump_p{p}"] = bool(prev) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * prev[len(prev) // 2])
+        dlogp_hist[p].append(rec[f"dlogp_p{p}"])
+        if master and rec[f"dlogp_jump_p{p}"]:
+            print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
+                  f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights (--sync)?", flush=True)
+        rec[f"grad_norm_p{p}"] = st["grad_norm"]
+        rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
+        if cfg["kl_coef"]:
+            rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
+        if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the step's trained tokens (nats)
+            rec[f"entropy_p{p}"] = tot[5] / max(1, tot[1])
+    if DEVICE.type == "cuda":  # per-phase peak of torch's allocator, max over ranks (GiB)
+        for k in local["mem"]:
+            rec[k] = max(x["mem"][k] for x in allr)
+    return rec
+
+
+def step_line(rec, roles, n_pol, eta):
+    """The one printed line per step."""
+    rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
+    pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
+                   for p in range(n_pol))
+    gib = f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}" if "mem_train" in rec else ""
+    return (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rw} | fmt {rec['format_ok']:.2f} zv {rec['zero_var_frac']:.2f} | "
+            f"{pol} | {rec['samples']} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
+            f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m")
+
+
+def main(argv):
+    global OWN_GROUP
+    cfg = configure(argv)
+    if cfg["dry_run"]:
+        raise SystemExit(print_memory_plan(cfg))
+    refuse_early(cfg)
+    if cfg["resume"] and not os.path.exists(os.path.join(cfg["out_dir"], "ckpt", "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {os.path.join(cfg['out_dir'], 'ckpt')!r}")
+    rank, world = setup_dist(cfg["nccl_timeout_min"])
+    master, device = rank == 0, DEVICE
+    out, ckpt = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
+    tiny = is_tiny(cfg)
+    compact = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
+    roles = task_roles(cfg)
+    pols, role_to_policy = resolve_policies(cfg)
+    n_pol = len(pols)
+    bases, start = prepare_run(cfg, pols, master, world)
+
+    # --- policies, engines, agents, the held-out set
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer (and the tiny sizes theirs)
     torch.manual_seed(cfg["seed"])
-
     models, opts, refs, engines = build_policies(cfg, pols, bases, ckpt, rank, world, device)
     if master:
         for p, pol in enumerate(pols):
@@ -955,19 +1058,11 @@ def main(argv):
     agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"])
     sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
     export_dtype = None if tiny else torch.bfloat16  # HF exports of real models in bf16 (resume reads the fp32 DCP state)
-
     E.TOOL_TIMEOUT, E.TEST_TIMEOUT = cfg["tool_timeout"], cfg["test_timeout"]
     rows = E.load_split(cfg["task"], "train") if cfg["task"] in ("code", "math") else None
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    if master and cfg["resume"]:  # drop lines written after the checkpoint, so the log equals an uninterrupted run's
-        lines = open(metrics_path).readlines()[:state["metrics_lines"]] if os.path.exists(metrics_path) else []
-        open(metrics_path, "w").writelines(lines)
-    elif master:
-        open(metrics_path, "w").close()
-
-    from eval import evaluate
     team = parse_team(cfg)
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"], team=team)
+    from eval import evaluate
 
     def run_eval(step):
         res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
@@ -977,111 +1072,57 @@ def main(argv):
                   f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
         return res
 
+    # --- the log: metrics.jsonl on rank 0, and the same numbers to wandb
+    metrics_path = os.path.join(out, "metrics.jsonl")
     wb = None
     if master and cfg["wandb"]:
         import wandb
         wb = wandb.init(project=cfg["wandb"], name=os.path.basename(os.path.abspath(out)), config=cfg)
 
-    def log(rec):  # rank 0: one line of metrics.jsonl, and the same numbers to wandb
+    def log(rec):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if wb is not None:
             wb.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
 
+    # --- the steps
     t_proc = time.time()
-    t_start = t_proc - t_before  # "time" in the log and --time_limit_min count the whole run's training, across resumes
-    last = start_step
-    if start_step == 0 and cfg["eval_every"]:
+    t_start = t_proc - start.time_before  # "time" in the log and --time_limit_min count the whole run, across resumes
+    if start.step == 0 and cfg["eval_every"]:
         r = run_eval(0)
         if master:
             log({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0})
     cuda_peak_gib()
     dlogp_hist = [[] for _ in range(n_pol)]
-    for step in range(start_step, cfg["steps"]):
-        t0 = time.time()
-        timer = {}
-        rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
-        E_local = cfg["envs_per_step"] // world
-        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team) for _ in range(E_local)]
-        agents.seed_base = (cfg["seed"] * 7919 + step * 104729 + rank * 15485863) % (2 ** 31)
-        agents.calls = 0
-        if cfg["algo"] == "at_grpo":
-            samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], cfg["branch"], rng, timer)
-            success = sum(e.success for e in envs) / len(envs)
-        else:
-            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
-            trajectory_returns(samples)
-            success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
+    for step in range(start.step, cfg["steps"]):
+        t0, timer = time.time(), {}
+        samples, success = rollout_phase(cfg, step, rank, world, agents, sp, rows, compact, team, timer)
         scale = "batch" if step < cfg["batch_std_steps"] else cfg["scale_rewards"]
         kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale, all_sum,
                                          std_floor=cfg["std_floor"])
         mem = {"mem_rollout": cuda_peak_gib()}
-
         if cfg["sync"]:  # CUDA: the engine's weights and KV cache make room for the update (the sync reloads them)
             for e in distinct_engines(engines):
                 e.sleep()
         t1 = time.time()
-        for p in range(n_pol):  # the schedule is a function of the step alone, so a resumed run follows it exactly
-            for g in opts[p].param_groups:
-                g["lr"] = pols[p].lr * lr_factor(cfg, step)
-        pstats = [update_policy(use_policy(models, pols, p), opts[p], [s for s in kept if s.policy == p],
-                                {**cfg, **{k: getattr(pols[p], k) for k in PER_ROLE}}, world, device, refs[p])
-                  for p in range(n_pol)]
+        pstats = update_phase(cfg, step, models, opts, pols, refs, kept, world, device)
         mem["mem_train"] = cuda_peak_gib()
         t2 = time.time()
-        for p in range(n_pol):
-            if cfg["sync"]:
+        if cfg["sync"]:
+            for p in range(n_pol):
                 engines[p].sync(use_policy(models, pols, p))  # streamed; wakes the engine's weights first
         mem["mem_sync"] = cuda_peak_gib()
         t3 = time.time()
 
-        # one dense line on rank 0, aggregated over ranks
-        local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats), resp_tok=sum(len(s.response_ids) for s in samples),
-                     fmt=sum(s.formatted for s in samples), rewards=by_agent_turn(samples), diag=diag, mem=mem)
-        allr = gather(local, world)
-        n_s = sum(x["n"] for x in allr)
-        rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
-               "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
-               "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr), "lr_factor": lr_factor(cfg, step)}
-        for r in roles:
-            vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
-            rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
-        for k in ("zero_var_frac", "group_size"):
-            rec[k] = sum(x["diag"][k] for x in allr) / world
-        for p, st in enumerate(pstats):
-            tot = all_sum([st["clip"], st["tokens"], st["dlogp"], st["kl"], st["trained_tokens"], st["entropy"]], world)
-            rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
-            rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
-            rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
-            # stale-sync alarm, relative: bf16 vLLM vs the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a jump
-            # against this run's own recent level means something (e.g. an engine that stopped receiving weights)
-            prev = sorted(dlogp_hist[p][-10:])
-            rec[f"dlogp_jump_p{p}"] = bool(prev) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * prev[len(prev) // 2])
-            dlogp_hist[p].append(rec[f"dlogp_p{p}"])
-            if master and rec[f"dlogp_jump_p{p}"]:
-                print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
-                      f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights (--sync)?", flush=True)
-            rec[f"grad_norm_p{p}"] = st["grad_norm"]
-            rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
-            if cfg["kl_coef"]:
-                rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
-            if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the step's trained tokens (nats)
-                rec[f"entropy_p{p}"] = tot[5] / max(1, tot[1])
+        local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats),
+                     resp_tok=sum(len(s.response_ids) for s in samples), fmt=sum(s.formatted for s in samples),
+                     rewards=by_agent_turn(samples), diag=diag, mem=mem)
+        rec = step_record(cfg, step, roles, local, pstats, opts, world, dlogp_hist, master)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
                    t_step=t3 - t0, time=time.time() - t_start)
-        if device.type == "cuda":  # per-phase peak of torch's allocator, max over ranks (GiB)
-            for k in mem:
-                rec[k] = max(x["mem"][k] for x in allr)
-        done_steps = step + 1 - start_step
-        eta = eta_seconds(cfg, step + 1, done_steps, time.time() - t_proc, time.time() - t_start)
+        eta = eta_seconds(cfg, step + 1, step + 1 - start.step, time.time() - t_proc, time.time() - t_start)
         if master:
-            rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
-            pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
-                           for p in range(n_pol))
-            gib = f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}" if "mem_train" in rec else ""
-            print(f"step {step + 1:4d} | succ {rec['success']:.2f} {rw} | fmt {rec['format_ok']:.2f} zv {rec['zero_var_frac']:.2f} | "
-                  f"{pol} | {n_s} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
-                  f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m", flush=True)
+            print(step_line(rec, roles, n_pol, eta), flush=True)
         last = step + 1
         out_of_time = out_of_time_all(cfg, time.time() - t_start, world)
         stop = last == cfg["stop_step"]
