@@ -892,8 +892,11 @@ def cuda_peak_gib(reset=True):
 
 
 def refuse_early(cfg):
-    """What can be refused before anything loads: an env count that does not split over the ranks, and a GPU run
-    whose planned memory does not fit (with the flag to change)."""
+    """What can be refused before anything loads: a --resume without a checkpoint, an env count that does not split
+    over the ranks, and a GPU run whose planned memory does not fit (with the flag to change)."""
+    ckpt = os.path.join(cfg["out_dir"], "ckpt")
+    if cfg["resume"] and not os.path.exists(os.path.join(ckpt, "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {ckpt!r}")
     if is_tiny(cfg) and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1031,8 +1034,6 @@ def main(argv):
     if cfg["dry_run"]:
         raise SystemExit(print_memory_plan(cfg))
     refuse_early(cfg)
-    if cfg["resume"] and not os.path.exists(os.path.join(cfg["out_dir"], "ckpt", "state.pt")):
-        raise SystemExit(f"--resume: no checkpoint in {os.path.join(cfg['out_dir'], 'ckpt')!r}")
     rank, world = setup_dist(cfg["nccl_timeout_min"])
     master, device = rank == 0, DEVICE
     out, ckpt = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
