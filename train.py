@@ -262,24 +262,21 @@ def gather(obj, world=None):
 # the embedded tiny model: a random Qwen3 warmed up on the answer format only
 
 
-def random_answer(task, rng, max_moves=4, grid=None):
-    """A random well-formed answer: 1..max_moves random moves, or for Sudoku the 16-digit grid as given (`grid`'s
-    digits copied, as any completed grid holds them) with 1..max_moves random fills in its empty cells (a fill is
-    Sudoku's move) and 0 = "no answer" in the rest. No solving skill: the fills are random digits. Not every cell
-    random: such a grid holds ~10 illegal fills (-2.9 on average) and RL's first lesson would be to break the format
-    (-1); these grids average -0.4 (test_sudoku_warmup_answers_score_above_a_format_failure)."""
+def random_answer(task, rng, max_moves=4):
+    """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves random
+    fills (a fill is Sudoku's move) and 0 = "no answer" elsewhere. Not every cell random: such a grid holds ~10
+    illegal fills (-2.9 on average) and RL's first lesson would be to break the format (-1); sparse grids average
+    -0.4 (test_sudoku_warmup_answers_score_above_a_format_failure)."""
     if task == "sudoku":
-        grid = grid or [[0] * 4 for _ in range(4)]
-        cells = [str(v) for row in grid for v in row]
-        empty = [i for i, ch in enumerate(cells) if ch == "0"]
-        for i in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
+        cells = ["0"] * 16
+        for i in rng.sample(range(16), rng.randint(1, max_moves)):
             cells[i] = str(rng.randint(1, 4))
         return "".join(cells)
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
-SUDOKU_WARMUP = "given grid + sparse fills"  # recorded in a Sudoku base's warmup.json: bases from the dense warm-up (no such key) are not reused
+SUDOKU_WARMUP = "sparse"  # recorded in a Sudoku base's warmup.json: bases from the dense warm-up (no such key) are not reused
 
 
 def build_tiny_base(path, task, cfg, size="tiny"):
@@ -313,11 +310,10 @@ def build_tiny_base(path, task, cfg, size="tiny"):
             for _ in range(32):
                 env = E.train_env(task, rng, compact=True)
                 role = rng.choice(roles)
-                grid = getattr(env, "grid", None) if task == "sudoku" else None
                 if role == "plan" and rng.random() < 0.7:
-                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"], grid))
+                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"]))
                 p = agents.render(env.observe(role))
-                a = tok.encode(random_answer(task, rng, cfg["warmup_moves"], grid), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                a = tok.encode(random_answer(task, rng, cfg["warmup_moves"]), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
                 batch.append((p, a))
             T = max(len(p) + len(a) for p, a in batch)
             ids = torch.zeros(len(batch), T, dtype=torch.long)
