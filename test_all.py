@@ -2077,6 +2077,12 @@ def test_bad_flags_fail_fast(tmp_path):
     (tmp_path / "tiny-base-plan-s0" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="was built with .*'warmup_moves': 4.* asks for .*'warmup_moves': 7"):
         T.main(["--warmup_moves", "7", "--out_dir", str(tmp_path / "run")])
+    # a Sudoku base from the dense warm-up (its record has the same steps and moves, no 'answers') is not reused either
+    os.makedirs(tmp_path / "tiny-base-sudoku-s0")
+    (tmp_path / "tiny-base-sudoku-s0" / "config.json").write_text("{}")
+    (tmp_path / "tiny-base-sudoku-s0" / "warmup.json").write_text(json.dumps({"warmup_steps": 150, "warmup_moves": 4}))
+    with pytest.raises(SystemExit, match="was built with .* asks for .*'answers': 'sparse'"):
+        T.main(["--task", "sudoku", "--out_dir", str(tmp_path / "run")])
 
 
 def test_resolve_policies_role_maps_settings_and_misuse(tiny_dir):
