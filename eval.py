@@ -81,6 +81,7 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
     old_seed = getattr(agents, "seed_base", None)
     agents.seed_base, agents.calls = seed + rank, 0
     results, role_stats = [], defaultdict(lambda: defaultdict(float))
+    firsts = defaultdict(set)  # role -> its distinct first-turn answers (first sample of each instance)
     batch = 64
     it = range(0, len(mine), batch)
     if progress:
@@ -97,12 +98,20 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
             st["format_errors"] += not s.formatted
             st["local_reward"] += s.local
             st["answer_tokens"] += len(s.response_ids)
+            if s.turn == 0 and s.traj == 0:
+                st["instances"] += 1
+                firsts[s.role].add(tuple(s.response_ids))
     agents.seed_base = old_seed
     if world > 1:
         import torch.distributed as dist
-        allr, alls = [None] * world, [None] * world
+        allr, alls, allf = [None] * world, [None] * world, [None] * world
         dist.all_gather_object(allr, results)
         dist.all_gather_object(alls, {r: dict(v) for r, v in role_stats.items()})
+        dist.all_gather_object(allf, dict(firsts))
+        firsts = defaultdict(set)
+        for part in allf:
+            for r, v in part.items():
+                firsts[r] |= v
         results = [x for part in allr for x in part]
         merged = defaultdict(lambda: defaultdict(float))
         for part in alls:
@@ -114,7 +123,10 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
     res = summarize([r[1] for r in results], k)
     res["per_role"] = {r: {"calls": int(v["calls"]), "format_error_rate": v["format_errors"] / max(1, v["calls"]),
                            "local_reward": v["local_reward"] / max(1, v["calls"]),
-                           "answer_tokens": v["answer_tokens"] / max(1, v["calls"])} for r, v in role_stats.items()}
+                           "answer_tokens": v["answer_tokens"] / max(1, v["calls"]),
+                           # 1 of n: the same answer to every instance, an open-loop policy that ignores what it sees
+                           "distinct_first_answers": len(firsts[r]), "instances": int(v["instances"])}
+                       for r, v in role_stats.items()}
     by_turn = defaultdict(int)  # episodes that succeeded, by the turn count they ended after
     for _, succ, t in results:
         for s, tt in zip(succ, t):
@@ -283,9 +295,10 @@ def markdown(res, title):
     if res["k"] > 1:
         lines.append(f"| avg@{res['k']} | {res['avg@k']:.3f} | {res['avg@k_ci'][0]:.3f}-{res['avg@k_ci'][1]:.3f} |")
         lines.append(f"| pass@{res['k']} | {res['pass@k']:.3f} | {res['pass@k_ci'][0]:.3f}-{res['pass@k_ci'][1]:.3f} |")
-    lines += ["", "| role | calls | format errors | local reward | answer tokens |", "|---|---|---|---|---|"]
+    lines += ["", "| role | calls | format errors | local reward | answer tokens | distinct first answers |", "|---|---|---|---|---|---|"]
     for r, v in res["per_role"].items():
-        lines.append(f"| {r} | {v['calls']} | {v['format_error_rate']:.3f} | {v['local_reward']:+.3f} | {v['answer_tokens']:.1f} |")
+        lines.append(f"| {r} | {v['calls']} | {v['format_error_rate']:.3f} | {v['local_reward']:+.3f} | {v['answer_tokens']:.1f} "
+                     f"| {v['distinct_first_answers']} of {v['instances']} |")
     lines += ["", "success by turn: " + ", ".join(f"{k}: {v:.3f}" for k, v in res["success_by_turn"].items()), ""]
     return "\n".join(lines)
 

@@ -2481,6 +2481,23 @@ def test_games_test_sets_run(torch_agents):
             assert res["n"] == 4 and set(res["per_role"]) == set(E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]])
 
 
+def test_eval_counts_distinct_first_answers(tiny_dir):
+    """eval.py's open-loop check: per role, how many different first-turn answers the test instances got. A script
+    that ignores the room answers alike everywhere (1 of n); one that reads the compact Plan-Path goal offset gives as
+    many answers as the test finds distinct (vertical, horizontal) directions among the instances itself."""
+    envs_ = E.test_set("plan", compact=True, limit=12)
+    res = V.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), turns=2, max_new_tokens=8)
+    assert {r: (v["distinct_first_answers"], v["instances"]) for r, v in res["per_role"].items()} == {"tool": (1, 12), "plan": (1, 12)}
+
+    def toward_goal(text, rng):
+        dr, dc = re.findall(r"([+-]\d+)([+-]\d+) U", text)[-1]
+        return ("D" if int(dr) > 0 else "U" if int(dr) < 0 else "") + ("R" if int(dc) > 0 else "L" if int(dc) < 0 else "")
+    want = len({((e.goal[0] > e.pos[0]) - (e.goal[0] < e.pos[0]), (e.goal[1] > e.pos[1]) - (e.goal[1] < e.pos[1])) for e in envs_})
+    res = V.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)
+    assert want > 2 and res["per_role"]["tool"]["distinct_first_answers"] == want
+    assert f"| {want} of 12 |" in V.markdown(res, "t")  # the report's column
+
+
 def test_mean_curve_of_seeds_by_hand(tmp_path):
     """The bold curve of a multi-seed plot: the mean success and mean minutes at the steps every seed evaluated."""
     a = [(0, 0.0, 0.1), (10, 1.0, 0.5), (20, 2.0, 0.9)]
