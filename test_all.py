@@ -878,6 +878,22 @@ def test_sokoban_instances_solvable(compact):
         assert solved and reward > 10 and env.box != env.goal
 
 
+def test_sokoban_sft_probe_trains_on_shortest_solutions(tiny_dir, tmp_path):
+    """docs/sokoban_sft_probe.py (the README's capacity probe): its answers are shortest solutions by the test's own
+    BFS, and two steps of it write a loadable model that differs from the base."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("probe", os.path.join(os.path.dirname(__file__), "docs", "sokoban_sft_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for env in E.test_set("sokoban", n=30, compact=True):
+        assert len(probe.shortest(env)) == len(solve_sokoban(env))
+        assert env.clone().apply(probe.shortest(env))[1]
+    probe.main(tiny_dir, str(tmp_path / "p"), 2)
+    from model import load_model
+    a, b = load_model(tiny_dir).state_dict(), load_model(str(tmp_path / "p")).state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sokoban_hand_rewards():
     env = E.make_env("sokoban", seed=0)
     env.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
