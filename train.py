@@ -280,6 +280,23 @@ WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached
 SUDOKU_WARMUP = "sparse"  # recorded in a Sudoku base's warmup.json: bases from the dense warm-up (no such key) are not reused
 
 
+def sft_step(m, opt, batch):
+    """One supervised step on (prompt ids, answer ids) pairs: right-padded rows, the loss on the answers' tokens only.
+    The format warm-up's step (and docs/sokoban_sft_probe.py's). Returns the loss."""
+    T = max(len(p) + len(a) for p, a in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    mask = torch.zeros(len(batch), T - 1)
+    for i, (p, a) in enumerate(batch):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
+    lp = m(ids[:, :-1], targets=ids[:, 1:])
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def build_tiny_base(path, task, cfg, size="tiny"):
     """Random tiny Qwen3 + tokenizer, then `warmup_steps` of SFT on (observation, *random* valid answer) pairs for the
     compact task, so that the policy starts out emitting well-formed moves with no task skill (the analogue of a
@@ -316,19 +333,9 @@ def build_tiny_base(path, task, cfg, size="tiny"):
                 p = agents.render(env.observe(role))
                 a = tok.encode(random_answer(task, rng, cfg["warmup_moves"]), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
                 batch.append((p, a))
-            T = max(len(p) + len(a) for p, a in batch)
-            ids = torch.zeros(len(batch), T, dtype=torch.long)
-            mask = torch.zeros(len(batch), T - 1)
-            for i, (p, a) in enumerate(batch):
-                ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-                mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
-            lp = m(ids[:, :-1], targets=ids[:, 1:])
-            loss = -(lp * mask).sum() / mask.sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = sft_step(m, opt, batch)
             if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
-                print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss.item():.3f}", flush=True)
+                print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss:.3f}", flush=True)
         M.save_model(m, tmp)
     json.dump(want, open(os.path.join(tmp, "warmup.json"), "w"))
     os.replace(tmp, path)

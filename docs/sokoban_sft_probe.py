@@ -7,7 +7,7 @@ shown, on training rooms and on states along their solutions) and saves it for e
     python eval.py --task sokoban --model runs/sft-probe-s1
 
 If this reaches what RL does not, the model and the line can hold a room-dependent policy and RL's signal is what
-is missing. Same optimiser settings as the format warm-up (train.build_tiny_base), 32 answers per step."""
+is missing. The format warm-up's optimiser settings and step (train.sft_step), 32 answers per step."""
 import os
 import random
 import shutil
@@ -49,17 +49,9 @@ def main(base, out, steps):
             if role == "plan" and rng.random() < 0.7:  # the plan agent sees a tool answer, good or random
                 env.step("tool", answer if rng.random() < 0.5 else T.random_answer("sokoban", rng, 4))
             batch.append((agents.render(env.observe(role)), tok.encode(answer, add_special_tokens=False) + [end]))
-        L = max(len(p) + len(a) for p, a in batch)
-        ids, mask = torch.zeros(len(batch), L, dtype=torch.long), torch.zeros(len(batch), L - 1)
-        for i, (p, a) in enumerate(batch):
-            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-            mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
-        loss = -(m(ids[:, :-1], targets=ids[:, 1:]) * mask).sum() / mask.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = T.sft_step(m, opt, batch)
         if (it + 1) % 100 == 0:
-            print(f"sft {it + 1}/{steps}: loss {loss.item():.3f}", flush=True)
+            print(f"sft {it + 1}/{steps}: loss {loss:.3f}", flush=True)
     shutil.copytree(base, out, dirs_exist_ok=True)
     M.save_model(m, out)
 
