@@ -878,20 +878,36 @@ def test_sokoban_instances_solvable(compact):
         assert solved and reward > 10 and env.box != env.goal
 
 
-def test_sokoban_sft_probe_trains_on_shortest_solutions(tiny_dir, tmp_path):
-    """docs/sokoban_sft_probe.py (the README's capacity probe): its answers are shortest solutions by the test's own
-    BFS, and two steps of it write a loadable model that differs from the base."""
+def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
+    """docs/sft_probe.py (the README's capacity probe): its Sokoban answers are shortest solutions by the test's own
+    BFS; its Sudoku answers fill exactly the empty cells with the test's own brute-force solution (and solve the
+    puzzle), also on the part-filled states it trains on; two steps per task write a loadable model that differs from
+    the base; Plan-Path is refused."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("probe", os.path.join(os.path.dirname(__file__), "docs", "sokoban_sft_probe.py"))
+    spec = importlib.util.spec_from_file_location("probe", os.path.join(os.path.dirname(__file__), "docs", "sft_probe.py"))
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     for env in E.test_set("sokoban", n=30, compact=True):
         assert len(probe.shortest(env)) == len(solve_sokoban(env))
         assert env.clone().apply(probe.shortest(env))[1]
-    probe.main(tiny_dir, str(tmp_path / "p"), 2)
+    rng = random.Random(0)
+    for env in E.test_set("sudoku", n=50, compact=True):
+        sol = solve_sudoku(env.clues)[0]
+        for e in (env.clone(), env.clone()):
+            answer = probe.teacher("sudoku", e, rng)
+            assert len(answer) == 16 and answer.isdigit()
+            for k, ch in enumerate(answer):
+                r, c = divmod(k, 4)
+                assert ch == ("0" if e.grid[r][c] else str(sol[r][c]))
+            assert e.clone().step("plan", answer) > 2 and e.clone().apply(e.parse(answer))[1]
     from model import load_model
-    a, b = load_model(tiny_dir).state_dict(), load_model(str(tmp_path / "p")).state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    a = load_model(tiny_dir).state_dict()
+    for task in ("sokoban", "sudoku"):
+        probe.main(task, tiny_dir, str(tmp_path / task), 2)
+        b = load_model(str(tmp_path / task)).state_dict()
+        assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit, match="sokoban and sudoku"):
+        probe.main("plan", tiny_dir, str(tmp_path / "plan"), 2)
 
 
 def test_sokoban_hand_rewards():

@@ -282,7 +282,7 @@ SUDOKU_WARMUP = "sparse"  # recorded in a Sudoku base's warmup.json: bases from 
 
 def sft_step(m, opt, batch):
     """One supervised step on (prompt ids, answer ids) pairs: right-padded rows, the loss on the answers' tokens only.
-    The format warm-up's step (and docs/sokoban_sft_probe.py's). Returns the loss."""
+    The format warm-up's step (and docs/sft_probe.py's). Returns the loss."""
     T = max(len(p) + len(a) for p, a in batch)
     ids = torch.zeros(len(batch), T, dtype=torch.long)
     mask = torch.zeros(len(batch), T - 1)
