@@ -967,22 +967,36 @@ def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
         assert longest + 1 <= budget, (task, longest, budget)
 
 
-def test_sudoku_warmup_answers_score_above_a_format_failure():
-    """The format warm-up's random Sudoku answers are well-formed grids that, on average, lose less than an
-    unparseable answer (-1): else the first thing RL learns is to break the format. Judged by the env's own rules on
-    the 200 test puzzles. The old warm-up (every cell a random 0-4) scored -2.9 on average: ~10 illegal fills."""
+def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
+    """The format warm-up's Sudoku answers, given the puzzle: well-formed grids whose 1..--warmup_moves fills sit in
+    empty cells and break no rule (the test's own check: no digit twice in a row, column or box of the puzzle plus
+    the fills), so the env pays each +0.1; yet they are not the solution (many fills differ from the test's
+    brute-force solution): the rules, not the answers. Without the puzzle (the old warm-up: random cells and digits)
+    the answers average -0.4 and most hold an illegal fill: the all-zeros collapse RL made of that base."""
     import statistics
     import train as T
     rng = random.Random(0)
     moves = T.configure(["--task", "sudoku"])["warmup_moves"]
-    rewards, filled = [], []
+    fills = wrong = 0
+    old = []
     for g in E.test_set("sudoku", n=200, compact=True):
-        a = T.random_answer("sudoku", rng, moves)
-        assert g.parse(a) is not None and len(a) == 16
-        filled.append(sum(ch != "0" for ch in a))
-        rewards.append(g.step("plan", a))
-    assert statistics.mean(rewards) > E.Sudoku.fail_reward + 0.3, statistics.mean(rewards)
-    assert 1 <= min(filled) and max(filled) <= moves  # a fill is the Sudoku warm-up's move: 1..--warmup_moves of them
+        sol = solve_sudoku(g.clues)[0]
+        for _ in range(5):
+            a = T.random_answer("sudoku", rng, moves, g)
+            assert len(a) == 16 and a.isdigit() and g.parse(a) is not None
+            grid = [[int(a[4 * r + c]) or g.grid[r][c] for c in range(4)] for r in range(4)]
+            mine = [(r, c) for r in range(4) for c in range(4) if a[4 * r + c] != "0"]
+            assert 1 <= len(mine) <= moves and all(not g.grid[r][c] for r, c in mine)
+            for unit in ([[(r, c) for c in range(4)] for r in range(4)] + [[(r, c) for r in range(4)] for c in range(4)]
+                         + [[(br + i, bc + j) for i in range(2) for j in range(2)] for br in (0, 2) for bc in (0, 2)]):
+                digits = [grid[r][c] for r, c in unit if grid[r][c]]
+                assert len(digits) == len(set(digits)), (g.board(), a)
+            assert g.clone().step("plan", a) == pytest.approx(0.1 * len(mine))
+            fills += len(mine)
+            wrong += sum(int(a[4 * r + c]) != sol[r][c] for r, c in mine)
+        old.append(g.clone().step("plan", T.random_answer("sudoku", rng, moves)))
+    assert 0.15 < wrong / fills < 0.85, (wrong, fills)  # legal, and often not the solution's digit
+    assert statistics.mean(old) < -0.2 and E.Sudoku.fail_reward < statistics.mean(old)
 
 
 def test_compact_sudoku_view_lists_each_cells_candidates():
@@ -2109,11 +2123,12 @@ def test_bad_flags_fail_fast(tmp_path):
     (tmp_path / "tiny-base-plan-s0" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="was built with .*'warmup_moves': 4.* asks for .*'warmup_moves': 7"):
         T.main(["--warmup_moves", "7", "--out_dir", str(tmp_path / "run")])
-    # a Sudoku base from the dense warm-up (its record has the same steps and moves, no 'answers') is not reused either
+    # a Sudoku base from an earlier warm-up (the sparse one: same moves, random cells and digits) is not reused either
     os.makedirs(tmp_path / "tiny-base-sudoku-s0")
     (tmp_path / "tiny-base-sudoku-s0" / "config.json").write_text("{}")
-    (tmp_path / "tiny-base-sudoku-s0" / "warmup.json").write_text(json.dumps({"warmup_steps": 150, "warmup_moves": 4}))
-    with pytest.raises(SystemExit, match="was built with .* asks for .*'answers': 'sparse'"):
+    (tmp_path / "tiny-base-sudoku-s0" / "warmup.json").write_text(
+        json.dumps({"warmup_steps": 150, "warmup_moves": 4, "answers": "sparse"}))
+    with pytest.raises(SystemExit, match="was built with .*'sparse'.* asks for .*'warmup_steps': 600.*'answers': 'legal'"):
         T.main(["--task", "sudoku", "--out_dir", str(tmp_path / "run")])
 
 

@@ -95,7 +95,7 @@ resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
 stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
                            # spans --steps, so a run stopped at step N equals the first N steps of the full run
-warmup_steps = 150         # tiny model only: format warm-up steps (random valid answers, never solutions)
+warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions); 150, Sudoku 600
 warmup_moves = 4           # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
@@ -154,7 +154,7 @@ def parse_flags(argv, cfg):
         print(usage())
         raise SystemExit(0)
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "lr_decay": float, "batch_std_steps": int, "eval_n": int, "max_new_tokens": int, "max_prompt_tokens": int,
-             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int,
+             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int, "warmup_steps": int,
              "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
     i = 0
     while i < len(argv):
@@ -263,21 +263,34 @@ def gather(obj, world=None):
 # the embedded tiny model: a random Qwen3 warmed up on the answer format only
 
 
-def random_answer(task, rng, max_moves=4):
-    """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves random
-    fills (a fill is Sudoku's move) and 0 = "no answer" elsewhere. Not every cell random: such a grid holds ~10
-    illegal fills (-2.9 on average) and RL's first lesson would be to break the format (-1); sparse grids average
-    -0.4 (test_sudoku_warmup_answers_score_above_a_format_failure)."""
+def random_answer(task, rng, max_moves=4, game=None):
+    """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves fills (a
+    fill is Sudoku's move) and 0 = "no answer" elsewhere. Given the `game`, Sudoku's fills are *legal*: random empty
+    cells, each a random digit its row, column and box still allow after the fills before it. That is the rules, as
+    a real base model knows them, not the solution (a cell with two candidates gets either). Why: random cells and
+    digits are illegal 60% of the time (-0.4 per answer on average), so RL's cheapest gain was to stop filling and the
+    policy collapsed to all zeros; from legal fills it reads the puzzle (README, "Sudoku's warm-up"). Not every cell
+    random either: such a grid holds ~10 illegal fills (-2.9) and RL's first lesson was to break the format (-1)."""
     if task == "sudoku":
         cells = ["0"] * 16
+        if game is not None:
+            g = [row[:] for row in game.grid]
+            empty = [(r, c) for r in range(4) for c in range(4) if not g[r][c]]
+            for r, c in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
+                cand = [v for v in range(1, 5) if game.legal(g, r, c, v)]
+                if cand:
+                    g[r][c] = rng.choice(cand)
+                    cells[4 * r + c] = str(g[r][c])
+            return "".join(cells)
         for i in rng.sample(range(16), rng.randint(1, max_moves)):
             cells[i] = str(rng.randint(1, 4))
         return "".join(cells)
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
+WARMUP_STEPS = {"plan": 150, "sokoban": 150, "sudoku": 600}  # --warmup_steps by task
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
-SUDOKU_WARMUP = "sparse"  # recorded in a Sudoku base's warmup.json: bases from the dense warm-up (no such key) are not reused
+SUDOKU_WARMUP = "legal"  # recorded in a Sudoku base's warmup.json: bases from earlier warm-ups (dense: no key; "sparse") are not reused
 
 
 def sft_step(m, opt, batch):
@@ -329,9 +342,9 @@ def build_tiny_base(path, task, cfg, size="tiny"):
                 env = E.train_env(task, rng, compact=True)
                 role = rng.choice(roles)
                 if role == "plan" and rng.random() < 0.7:
-                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"]))
+                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"], env))
                 p = agents.render(env.observe(role))
-                a = tok.encode(random_answer(task, rng, cfg["warmup_moves"]), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                a = tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
                 batch.append((p, a))
             loss = sft_step(m, opt, batch)
             if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
@@ -613,6 +626,8 @@ def configure(argv):
     tiny = is_tiny(cfg)
     if cfg["policies"] == "lora" and cfg["lr"] is None:  # adapters want ~10x the full model's rate ("LoRA Without Regret")
         cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
+    if cfg["warmup_steps"] is None:  # Sudoku: after 150 steps the sampled fills were as often illegal as random ones (README)
+        cfg["warmup_steps"] = WARMUP_STEPS.get(cfg["task"], WARMUP_STEPS["plan"])
     if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
         cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
     if cfg["batch_std_steps"] is None and cfg["scale_rewards"] != "group":  # the schedule ends on the group std: an
