@@ -999,6 +999,39 @@ def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
     assert statistics.mean(old) < -0.2 and E.Sudoku.fail_reward < statistics.mean(old)
 
 
+def test_sokoban_warmup_answers_are_legal_moves_not_solutions():
+    """The format warm-up's Sokoban answers, given the room: 1..--warmup_moves moves, each legal by the test's own
+    push rule (no step into a wall, no push of the box into one), yet rarely a solution (random legal walks: the
+    rules, not the answers). Without the room (random letters) many hold an invalid move."""
+    import train as T
+    rng = random.Random(0)
+    moves = T.configure(["--task", "sokoban"])["warmup_moves"]
+    step = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+    n = solved = 0
+    for g in E.test_set("sokoban", n=200, compact=True):
+        for _ in range(5):
+            a = T.random_answer("sokoban", rng, moves, g)
+            assert 1 <= len(a) <= moves and set(a) <= set("UDLR")
+            player, box = g.player, g.box
+            for m in a:
+                nxt = (player[0] + step[m][0], player[1] + step[m][1])
+                assert nxt not in g.walls, (g.board(), a)
+                if nxt == box:
+                    box = (box[0] + step[m][0], box[1] + step[m][1])
+                    assert box not in g.walls, (g.board(), a)
+                player = nxt
+            e = g.clone()
+            e.step("plan", a)
+            assert e.success or (e.player, e.box) == (player, box)  # a solved episode stops applying moves
+            n, solved = n + 1, solved + e.success
+    assert solved / n < 0.15, solved / n
+    first_into_wall = 0
+    for g in E.test_set("sokoban", n=200, compact=True):
+        m = T.random_answer("sokoban", rng, moves)[0]
+        first_into_wall += (g.player[0] + step[m][0], g.player[1] + step[m][1]) in g.walls
+    assert first_into_wall > 20
+
+
 def test_compact_sudoku_view_lists_each_cells_candidates():
     """The compact Sudoku line: a filled cell's digit, an empty cell's candidate set as a bitmask letter. Checked
     against a brute-force candidate set (place v, is every row, column and box still duplicate-free?) and the unique

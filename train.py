@@ -95,7 +95,7 @@ resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
 stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
                            # spans --steps, so a run stopped at step N equals the first N steps of the full run
-warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions); 150, Sudoku 600
+warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions); 150, Sokoban and Sudoku 600
 warmup_moves = 4           # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
@@ -265,12 +265,14 @@ def gather(obj, world=None):
 
 def random_answer(task, rng, max_moves=4, game=None):
     """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves fills (a
-    fill is Sudoku's move) and 0 = "no answer" elsewhere. Given the `game`, Sudoku's fills are *legal*: random empty
-    cells, each a random digit its row, column and box still allow after the fills before it. That is the rules, as
-    a real base model knows them, not the solution (a cell with two candidates gets either). Why: random cells and
-    digits are illegal 60% of the time (-0.4 per answer on average), so RL's cheapest gain was to stop filling and the
-    policy collapsed to all zeros; from legal fills it reads the puzzle (README, "Sudoku's warm-up"). Not every cell
-    random either: such a grid holds ~10 illegal fills (-2.9) and RL's first lesson was to break the format (-1)."""
+    fill is Sudoku's move) and 0 = "no answer" elsewhere. Given the `game`, Sokoban's and Sudoku's answers are *legal*
+    there: Sokoban's moves walk into no wall and push the box into none; Sudoku's fills are random empty cells, each a
+    random digit its row, column and box still allow after the fills before it. That is the rules, as a real base
+    model knows them, not the solution (a Sudoku cell with two candidates gets either). Why: random Sudoku fills are
+    illegal 60% of the time (-0.4 per answer), RL's cheapest gain was to stop filling and the policy collapsed to all
+    zeros; random Sokoban moves taught a policy that ignored the room (one answer to all 200). From legal answers both
+    read the instance (README, "the legal warm-up"). Not every Sudoku cell random either: such a grid holds ~10 illegal
+    fills (-2.9) and RL's first lesson was to break the format (-1)."""
     if task == "sudoku":
         cells = ["0"] * 16
         if game is not None:
@@ -285,12 +287,21 @@ def random_answer(task, rng, max_moves=4, game=None):
         for i in rng.sample(range(16), rng.randint(1, max_moves)):
             cells[i] = str(rng.randint(1, 4))
         return "".join(cells)
+    if task == "sokoban" and game is not None:  # legal moves in the room shown: no walk into a wall, no push into one
+        state, out = (game.player, game.box), ""
+        for _ in range(rng.randint(1, max_moves)):
+            ok = [a for a in "UDLR" if game.move(state, a)]
+            if not ok:
+                break
+            a = rng.choice(ok)
+            out, state = out + a, game.move(state, a)
+        return out or rng.choice("UDLR")
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
-WARMUP_STEPS = {"plan": 150, "sokoban": 150, "sudoku": 600}  # --warmup_steps by task
+WARMUP_STEPS = {"plan": 150, "sokoban": 600, "sudoku": 600}  # --warmup_steps by task
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
-SUDOKU_WARMUP = "legal"  # recorded in a Sudoku base's warmup.json: bases from earlier warm-ups (dense: no key; "sparse") are not reused
+GAME_WARMUP = "legal"  # recorded in a Sokoban or Sudoku base's warmup.json: bases from the earlier random warm-ups are not reused
 
 
 def sft_step(m, opt, batch):
@@ -317,8 +328,8 @@ def build_tiny_base(path, task, cfg, size="tiny"):
     records its warm-up settings (warmup.json; a folder without one predates it: WARMUP_BEFORE_RECORD), and a run
     asking for other settings stops instead of training from a base it did not ask for."""
     want = {"warmup_steps": cfg["warmup_steps"], "warmup_moves": cfg["warmup_moves"]}
-    if task == "sudoku":
-        want["answers"] = SUDOKU_WARMUP
+    if task in ("sokoban", "sudoku"):
+        want["answers"] = GAME_WARMUP
     if os.path.exists(os.path.join(path, "config.json")):
         rec = os.path.join(path, "warmup.json")
         have = json.load(open(rec)) if os.path.exists(rec) else WARMUP_BEFORE_RECORD
@@ -626,7 +637,7 @@ def configure(argv):
     tiny = is_tiny(cfg)
     if cfg["policies"] == "lora" and cfg["lr"] is None:  # adapters want ~10x the full model's rate ("LoRA Without Regret")
         cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
-    if cfg["warmup_steps"] is None:  # Sudoku: after 150 steps the sampled fills were as often illegal as random ones (README)
+    if cfg["warmup_steps"] is None:  # legal answers need more: after 150, Sudoku's sampled fills were as illegal as random ones
         cfg["warmup_steps"] = WARMUP_STEPS.get(cfg["task"], WARMUP_STEPS["plan"])
     if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
         cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
