@@ -22,10 +22,10 @@ What this script simplifies, and why:
  5. Before loading anything, memory.py plans the per-rank GPU memory of the configuration and a GPU run that
     cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
  6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
-    valid move strings or sparse Sudoku grids, never solutions), and trains on a compact Plan-Path (4x4) through
-    the same code path. Its first 60 steps divide advantages by the step's std instead of each group's
-    (`--batch_std_steps`): at this size the group std blows a wall bump up to +-1.7 and can collapse the answers to
-    one move (README, Results).
+    valid move strings or sparse Sudoku grids, legal in the instance for Sokoban and Sudoku, never solutions), and
+    trains on a compact Plan-Path (4x4) through the same code path. Its first 60 steps divide advantages by the
+    step's std instead of each group's (`--batch_std_steps`): at this size the group std blows a wall bump up to
+    +-1.7 and can collapse the answers to one move (README, Results).
 """
 import functools
 import json
