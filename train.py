@@ -271,8 +271,8 @@ def random_answer(task, rng, max_moves=4, game=None):
     model knows them, not the solution (a Sudoku cell with two candidates gets either). Why: random Sudoku fills are
     illegal 60% of the time (-0.4 per answer), RL's cheapest gain was to stop filling and the policy collapsed to all
     zeros; random Sokoban moves taught a policy that ignored the room (one answer to all 200). From legal answers both
-    read the instance (README, "the legal warm-up"). Not every Sudoku cell random either: such a grid holds ~10 illegal
-    fills (-2.9) and RL's first lesson was to break the format (-1)."""
+    read the instance (README, "legal-move" and "legal-fill warm-up"). Not every Sudoku cell random either: a dense
+    grid holds ~10 illegal fills (-2.9) and RL's first lesson was to break the format (-1)."""
     if task == "sudoku":
         cells = ["0"] * 16
         if game is not None:
