@@ -290,11 +290,11 @@ def random_answer(task, rng, max_moves=4, game=None):
     if task == "sokoban" and game is not None:  # legal moves in the room shown: no walk into a wall, no push into one
         state, out = (game.player, game.box), ""
         for _ in range(rng.randint(1, max_moves)):
-            ok = [a for a in "UDLR" if game.move(state, a)]
+            ok = {a: nxt for a in "UDLR" if (nxt := game.move(state, a))}
             if not ok:
                 break
-            a = rng.choice(ok)
-            out, state = out + a, game.move(state, a)
+            a = rng.choice(list(ok))
+            out, state = out + a, ok[a]
         return out or rng.choice("UDLR")
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 

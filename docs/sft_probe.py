@@ -29,12 +29,6 @@ def shortest(g):
     return E.bfs((g.player, g.box), lambda s: [(a, n) for a in "UDLR" for n in [g.move(s, a)] if n], lambda s: s[1] == g.goal)
 
 
-def solution_fills(g):
-    """Sudoku: the 16-digit answer that fills every empty cell with the unique solution's digit, 0 elsewhere."""
-    sol = E.sudoku_solutions(g.clues, limit=1)[0]
-    return "".join(str(sol[r][c]) if not g.grid[r][c] else "0" for r in range(4) for c in range(4))
-
-
 def teacher(task, env, rng):
     """Move `env` 0-4 steps along a solution (the states later turns see); then the solver's answer from there, or
     None when nothing is left to do."""
@@ -50,7 +44,8 @@ def teacher(task, env, rng):
     sol = E.sudoku_solutions(env.clues, limit=1)[0]
     for r, c in rng.sample(empty, rng.randint(0, min(4, len(empty) - 1))):
         env.apply([(r, c, sol[r][c])])
-    return solution_fills(env)
+    # the 16-digit answer: the solution's digit in every cell still empty, 0 ("no answer") elsewhere
+    return "".join(str(sol[r][c]) if not env.grid[r][c] else "0" for r in range(4) for c in range(4))
 
 
 def main(task, base, out, steps):
