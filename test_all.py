@@ -970,17 +970,21 @@ def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
 def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
     """The format warm-up's Sudoku answers, given the puzzle: well-formed grids whose 1..--warmup_moves fills sit in
     empty cells and break no rule (the test's own check: no digit twice in a row, column or box of the puzzle plus
-    the fills), so the env pays each +0.1; yet they are not the solution (many fills differ from the test's
-    brute-force solution): the rules, not the answers. Without the puzzle (the old warm-up: random cells and digits)
-    the answers average -0.4 and most hold an illegal fill: the all-zeros collapse RL made of that base."""
+    the fills), so the env pays each +0.1 (and +2 when the fills complete the grid); yet they are not the solution
+    (many fills differ from the test's brute-force solution, few answers solve): the rules, not the answers. Some
+    answers fill every empty cell, so the base has seen whole grids written (with 1-4 fills, Sudoku's old default,
+    none could: a 4-turn episode then needs ~3 right fills per answer, and 2 of 3 seeds stayed <= 0.22). Without
+    the puzzle (the first warm-up: random cells and digits) the answers average well below 0 and most hold an
+    illegal fill: the all-zeros collapse RL made of that base."""
     import statistics
     import train as T
     rng = random.Random(0)
     moves = T.configure(["--task", "sudoku"])["warmup_moves"]
-    fills = wrong = 0
+    fills = wrong = answers = whole = solved = 0
     old = []
     for g in E.test_set("sudoku", n=200, compact=True):
         sol = solve_sudoku(g.clues)[0]
+        empty = [(r, c) for r in range(4) for c in range(4) if not g.grid[r][c]]
         for _ in range(5):
             a = T.random_answer("sudoku", rng, moves, g)
             assert len(a) == 16 and a.isdigit() and g.parse(a) is not None
@@ -991,11 +995,14 @@ def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
                          + [[(br + i, bc + j) for i in range(2) for j in range(2)] for br in (0, 2) for bc in (0, 2)]):
                 digits = [grid[r][c] for r, c in unit if grid[r][c]]
                 assert len(digits) == len(set(digits)), (g.board(), a)
-            assert g.clone().step("plan", a) == pytest.approx(0.1 * len(mine))
+            done = grid == sol  # every cell filled, no rule broken: the unique solution
+            assert g.clone().step("plan", a) == pytest.approx(0.1 * len(mine) + 2.0 * done)
+            answers, whole, solved = answers + 1, whole + (len(mine) == len(empty)), solved + done
             fills += len(mine)
             wrong += sum(int(a[4 * r + c]) != sol[r][c] for r, c in mine)
-        old.append(g.clone().step("plan", T.random_answer("sudoku", rng, moves)))
+        old.append(g.clone().step("plan", T.random_answer("sudoku", rng, 4)))
     assert 0.15 < wrong / fills < 0.85, (wrong, fills)  # legal, and often not the solution's digit
+    assert whole > 0 and solved / answers < 0.1, (whole, solved, answers)  # whole grids written, rarely the solution
     assert statistics.mean(old) < -0.2 and E.Sudoku.fail_reward < statistics.mean(old)
 
 

@@ -61,7 +61,7 @@ K = 4                      # candidates per (agent, turn) node (at_grpo) or traj
 turns = None               # T, max turns per episode (paper 4)
 envs_per_step = None       # E, env instances per step over all ranks (paper 128)
 minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2); per role: tool=2,plan=4
-steps = None               # training steps (paper ~400)
+steps = None               # training steps (paper ~400; tiny 250, Sudoku 50: the lr schedule spans them)
 lr = None                  # AdamW learning rate (paper 1e-6, constant); per role: --lr tool=1e-6,plan=2e-6
 lr_decay = None            # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant (paper)
 lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
@@ -96,7 +96,7 @@ time_limit_min = None      # stop (with a final eval and checkpoint) after this 
 stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
                            # spans --steps, so a run stopped at step N equals the first N steps of the full run
 warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions); 150, Sokoban and Sudoku 600
-warmup_moves = 4           # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
+warmup_moves = None        # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills); 4, Sudoku 16
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
 tis_cap = None             # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
@@ -141,6 +141,8 @@ def usage():
             name, default, comment = m.groups()
             if default == "None" and name in DEFAULTS["real"]:
                 default = f"{DEFAULTS['real'][name]} (real) / {DEFAULTS['tiny'][name]} (tiny)"
+            elif default == "None" and name in TINY_TASK["plan"]:
+                default = "by game (TINY_TASK)"
             out.append(f"  --{name:<24} {default:<28} {comment or ''}")
             last = len(out) - 1
         elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
@@ -154,7 +156,7 @@ def parse_flags(argv, cfg):
         print(usage())
         raise SystemExit(0)
     types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "lr_decay": float, "batch_std_steps": int, "eval_n": int, "max_new_tokens": int, "max_prompt_tokens": int,
-             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int, "warmup_steps": int,
+             "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int, "warmup_steps": int, "warmup_moves": int,
              "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
     i = 0
     while i < len(argv):
@@ -299,7 +301,11 @@ def random_answer(task, rng, max_moves=4, game=None):
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
 
 
-WARMUP_STEPS = {"plan": 150, "sokoban": 600, "sudoku": 600}  # --warmup_steps by task
+TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; code and math take Plan-Path's)
+    "plan": dict(warmup_steps=150, warmup_moves=4),
+    "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need more than 150 steps (README)
+    "sudoku": dict(warmup_steps=600, warmup_moves=16, steps=50),  # 16: whole grids; 50: the steps 15 minutes hold
+}
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
 GAME_WARMUP = "legal"  # recorded in a Sokoban or Sudoku base's warmup.json: bases from the earlier random warm-ups are not reused
 
@@ -637,8 +643,9 @@ def configure(argv):
     tiny = is_tiny(cfg)
     if cfg["policies"] == "lora" and cfg["lr"] is None:  # adapters want ~10x the full model's rate ("LoRA Without Regret")
         cfg["lr"] = LORA_LR_MULT * DEFAULTS["tiny" if tiny else "real"]["lr"]
-    if cfg["warmup_steps"] is None:  # legal answers need more: after 150, Sudoku's sampled fills were as illegal as random ones
-        cfg["warmup_steps"] = WARMUP_STEPS.get(cfg["task"], WARMUP_STEPS["plan"])
+    if tiny:  # per game (README "Compact Sokoban and Sudoku"): Sudoku's lr schedule spans the ~50 steps of its 15 minutes
+        for k, v in TINY_TASK.get(cfg["task"], TINY_TASK["plan"]).items():
+            cfg[k] = v if cfg[k] is None else cfg[k]
     if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
         cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
     if cfg["batch_std_steps"] is None and cfg["scale_rewards"] != "group":  # the schedule ends on the group std: an
