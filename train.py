@@ -22,7 +22,7 @@ What this script simplifies, and why:
  5. Before loading anything, memory.py plans the per-rank GPU memory of the configuration and a GPU run that
     cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
  6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
-    valid move strings or sparse Sudoku grids, legal in the instance for Sokoban and Sudoku, never solutions), and
+    valid move strings or Sudoku fills, legal in the instance for Sokoban and Sudoku, never solutions), and
     trains on a compact Plan-Path (4x4) through the same code path. Its first 60 steps divide advantages by the
     step's std instead of each group's (`--batch_std_steps`): at this size the group std blows a wall bump up to
     +-1.7 and can collapse the answers to one move (README, Results).
@@ -61,7 +61,7 @@ K = 4                      # candidates per (agent, turn) node (at_grpo) or traj
 turns = None               # T, max turns per episode (paper 4)
 envs_per_step = None       # E, env instances per step over all ranks (paper 128)
 minibatches = None         # optimizer steps per rollout batch (paper: 128 envs / mini-batch 64 = 2); per role: tool=2,plan=4
-steps = None               # training steps (paper ~400; tiny 250, Sudoku 50: the lr schedule spans them)
+steps = None               # training steps (paper ~400); the lr schedule spans them
 lr = None                  # AdamW learning rate (paper 1e-6, constant); per role: --lr tool=1e-6,plan=2e-6
 lr_decay = None            # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant (paper)
 lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
@@ -95,8 +95,8 @@ resume = False             # continue from out_dir/ckpt
 time_limit_min = None      # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
 stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
                            # spans --steps, so a run stopped at step N equals the first N steps of the full run
-warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions); 150, Sokoban and Sudoku 600
-warmup_moves = None        # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills); 4, Sudoku 16
+warmup_steps = None        # tiny model only: format warm-up steps (random valid answers, never solutions)
+warmup_moves = None        # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
 grad_checkpoint = None     # activation checkpointing per decoder layer (real models: on; without it 8B needs ~125 GiB of activations)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
 tis_cap = None             # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
@@ -139,10 +139,11 @@ def usage():
         m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
         if m and m.group(1) in config_keys:
             name, default, comment = m.groups()
+            by_game = ", ".join(f"{t} {v[name]}" for t, v in TINY_TASK.items() if name in v)  # the tiny per-game table
             if default == "None" and name in DEFAULTS["real"]:
-                default = f"{DEFAULTS['real'][name]} (real) / {DEFAULTS['tiny'][name]} (tiny)"
-            elif default == "None" and name in TINY_TASK["plan"]:
-                default = "by game (TINY_TASK)"
+                default = f"{DEFAULTS['real'][name]} (real) / {DEFAULTS['tiny'][name]} (tiny" + (f"; {by_game})" if by_game else ")")
+            elif default == "None" and by_game:
+                default = f"tiny: {by_game}"
             out.append(f"  --{name:<24} {default:<28} {comment or ''}")
             last = len(out) - 1
         elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
