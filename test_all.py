@@ -910,6 +910,43 @@ def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
         probe.main("plan", tiny_dir, str(tmp_path / "plan"), 2)
 
 
+def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
+    """docs/sudoku_cells.py (the README's per-cell reading of Sudoku policies) against the test's own brute-force
+    solver and candidate count: the single-candidate answer (the solution in every 1-candidate cell, 0 elsewhere) is
+    counted as "solution" there and "0" everywhere else; a digit off the solution in a 2-candidate cell counts as
+    "other"; a malformed answer as unparseable; main runs the tiny model on a few puzzles and counts 16 cells each."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cells", os.path.join(os.path.dirname(__file__), "docs", "sudoku_cells.py"))
+    cells = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cells)
+    seen_other = 0
+    for env in E.test_set("sudoku", n=40, compact=True):
+        sol = solve_sudoku(env.clues)[0]
+        cand = {(r, c): [v for v in range(1, 5) if all(env.grid[r][j] != v for j in range(4)) and all(
+            env.grid[i][c] != v for i in range(4)) and all(env.grid[i][j] != v for i in range(r // 2 * 2, r // 2 * 2 + 2)
+                                                          for j in range(c // 2 * 2, c // 2 * 2 + 2))]
+                for r in range(4) for c in range(4) if not env.grid[r][c]}
+        ncand = {rc: len(v) for rc, v in cand.items()}
+        singles = [rc for rc, n in ncand.items() if n == 1]
+        answer = "".join(str(sol[r][c]) if (r, c) in singles else "0" for r in range(4) for c in range(4))
+        got = cells.cell_counts(env, answer)
+        assert got["1 cand", "solution"] == len(singles) and got["1 cand", "other"] == 0
+        assert got["clue", "0"] == 16 - len(ncand) and sum(got.values()) == 16
+        assert sum(v for (k, o), v in got.items() if o == "0") == 16 - len(singles)
+        for (r, c), n in ncand.items():
+            if n == 2:  # the other candidate: a legal digit that is not the solution's
+                wrong = next(v for v in cand[r, c] if v != sol[r][c])
+                a = answer[:4 * r + c] + str(wrong) + answer[4 * r + c + 1:]
+                assert cells.cell_counts(env, a)["2 cand", "other"] == 1
+                seen_other += 1
+                break
+    assert seen_other > 10
+    assert cells.cell_counts(env, "12") == {("answer", "unparseable"): 1}
+    counts = cells.main(tiny_dir, n=3)
+    for role in ("tool", "plan"):
+        assert sum(v for (k, o), v in counts[role].items() if k != "answer") + 16 * counts[role]["answer", "unparseable"] == 48
+
+
 def test_sokoban_hand_rewards():
     env = E.make_env("sokoban", seed=0)
     env.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}

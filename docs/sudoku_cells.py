@@ -1,0 +1,69 @@
+"""What a compact-Sudoku policy writes, cell by cell (a diagnostic, not part of training; README "Sudoku seed 2").
+Each cell of the turn-1 view is a clue (a digit) or an empty cell with 1-4 candidates (its letter); each digit of
+the greedy 16-digit answer below it is the unique solution's digit, another digit, or 0 ("no answer"). A policy
+that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test puzzles in 4 turns
+(README), so "singles filled" is the first thing to read:
+
+    python docs/sudoku_cells.py runs/tiny-base-sudoku-s2            # an untrained base
+    python docs/sudoku_cells.py runs/sudoku-s2/ckpt/policy-tool+plan  # a trained policy
+
+The tool agent answers the view; the plan agent answers the view after the tool agent's greedy answer."""
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs as E  # noqa: E402
+
+OUTCOMES = ("solution", "other", "0")
+
+
+def cell_counts(env, answer):
+    """Counter of (cell kind, outcome) for a 16-digit `answer` to `env`'s current grid: kind "clue" (a filled cell)
+    or "N cand" (an empty cell whose row, column and box allow N digits); outcome as in OUTCOMES. An answer that is
+    not 16 digits counts once as ("answer", "unparseable")."""
+    t = (answer or "").strip()
+    if len(t) != 16 or not t.isdigit():
+        return collections.Counter({("answer", "unparseable"): 1})
+    sol = E.sudoku_solutions(env.clues, limit=1)[0]
+    out = collections.Counter()
+    for i, ch in enumerate(t):
+        r, c, d = i // 4, i % 4, int(ch)
+        if env.grid[r][c]:
+            kind = "clue"
+        else:
+            kind = f"{sum(env.legal(env.grid, r, c, v) for v in range(1, 5))} cand"
+        out[kind, "0" if d == 0 else "solution" if d == sol[r][c] else "other"] += 1
+    return out
+
+
+def main(path, n=200):
+    from transformers import AutoTokenizer
+    from rollout import Agents, make_engine
+    agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
+                    {"tool": 0, "plan": 0}, max_prompt_tokens=256)
+    sp = dict(temperature=0.0, top_p=1.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sudoku"])
+
+    def answer(role, envs):
+        outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp)
+        return [o[0][1] for o in outs]
+
+    envs = [e.clone() for e in E.test_set("sudoku", n=n, compact=True, workflow="mas")]
+    tool = answer("tool", envs)
+    counts = {"tool": sum((cell_counts(e, a) for e, a in zip(envs, tool)), collections.Counter())}
+    for e, a in zip(envs, tool):
+        e.step("tool", a)
+    counts["plan"] = sum((cell_counts(e, a) for e, a in zip(envs, answer("plan", envs))), collections.Counter())
+    print(f"{path}: turn 1, greedy, {n} test puzzles; cells by kind and what the answer wrote there")
+    print("| role | cell kind | " + " | ".join(OUTCOMES) + " |\n|---|---|" + "---|" * len(OUTCOMES))
+    for role, cnt in counts.items():
+        for kind in sorted({k for k, _ in cnt}):
+            print(f"| {role} | {kind} | " + " | ".join(str(cnt[kind, o]) for o in OUTCOMES) + " |"
+                  + (f" unparseable: {cnt[kind, 'unparseable']}" if kind == "answer" else ""))
+    return counts
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python docs/sudoku_cells.py MODEL_DIR (a tiny base or a ckpt/policy-* folder)")
+    main(sys.argv[1])
