@@ -48,7 +48,7 @@ def main(path, n=200):
         outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp)
         return [o[0][1] for o in outs]
 
-    envs = [e.clone() for e in E.test_set("sudoku", n=n, compact=True, workflow="mas")]
+    envs = E.test_set("sudoku", n=n, compact=True, workflow="mas")  # fresh instances: the tool's step may change them
     tool = answer("tool", envs)
     counts = {"tool": sum((cell_counts(e, a) for e, a in zip(envs, tool)), collections.Counter())}
     for e, a in zip(envs, tool):
@@ -57,9 +57,9 @@ def main(path, n=200):
     print(f"{path}: turn 1, greedy, {n} test puzzles; cells by kind and what the answer wrote there")
     print("| role | cell kind | " + " | ".join(OUTCOMES) + " |\n|---|---|" + "---|" * len(OUTCOMES))
     for role, cnt in counts.items():
-        for kind in sorted({k for k, _ in cnt}):
-            print(f"| {role} | {kind} | " + " | ".join(str(cnt[kind, o]) for o in OUTCOMES) + " |"
-                  + (f" unparseable: {cnt[kind, 'unparseable']}" if kind == "answer" else ""))
+        for kind in sorted({k for k, _ in cnt} - {"answer"}):
+            print(f"| {role} | {kind} | " + " | ".join(str(cnt[kind, o]) for o in OUTCOMES) + " |")
+    print("unparseable answers: " + ", ".join(f"{role} {cnt['answer', 'unparseable']}" for role, cnt in counts.items()))
     return counts
 
 
