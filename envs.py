@@ -500,6 +500,9 @@ class Sudoku(GridGame):
     answer_fmt = ("the completed grid as a JSON list of 4 rows, e.g. [[1,2,3,4],[3,4,1,2],[2,1,4,3],[4,3,2,1]] "
                   "(or a list of [row, col, value] fills, 0-based)")
     fail_reward = -1.0
+    wrong_fill_reward = None  # None: a legal fill earns +0.1 whether or not it is the solution's digit (the spec's
+    # "partial progress for legal fills"); a number: what a legal fill off the solution earns instead. Only for the
+    # README's counterfactual (docs/sudoku_solution_reward.py), never the paper's reward.
 
     def __init__(self, seed, workflow="mas", compact=False):
         super().__init__(workflow, compact)
@@ -609,7 +612,10 @@ class Sudoku(GridGame):
                 continue
             elif self.legal(ref, r, c, v):
                 self.grid[r][c] = v
-                total += 0.1
+                if self.wrong_fill_reward is None or v == sudoku_solutions(self.clues, limit=1)[0][r][c]:
+                    total += 0.1
+                else:
+                    total += self.wrong_fill_reward
             else:
                 total -= 0.3
         solved = sudoku_valid(self.grid)

@@ -1181,6 +1181,35 @@ def test_sudoku_recovers_from_a_legal_wrong_fill():
     assert env.clone().step("plan", "#### " + json.dumps([[0] * 4] * 4)) == 0.0
 
 
+def test_sudoku_solution_reward_counterfactual(monkeypatch):
+    """docs/sudoku_solution_reward.py (the README's counterfactual): with `Sudoku.wrong_fill_reward` set, a legal fill
+    off the solution (the test's own exhaustive solver) earns that instead of +0.1, a right fill still +0.1 and an
+    illegal one -0.3; unset (the spec's reward, the default) the wrong legal fill earns +0.1. The script refuses --task."""
+    import runpy
+    cases = 0
+    for env in E.test_set("sudoku", n=40, compact=True):
+        sol = solve_sudoku(env.clues)[0]
+        r, c = next((i, j) for i in range(4) for j in range(4) if not env.clues[i][j])
+        legal = [v for v in range(1, 5) if E.Sudoku.legal(env.grid, r, c, v)]
+        wrong = [v for v in legal if v != sol[r][c]]
+        if not wrong:
+            continue
+        illegal = next(v for v in range(1, 5) if v not in legal) if len(legal) < 4 else None
+        cases += 1
+        monkeypatch.setattr(E.Sudoku, "wrong_fill_reward", None)
+        assert env.clone().apply([(r, c, wrong[0])])[0] == pytest.approx(0.1)
+        monkeypatch.setattr(E.Sudoku, "wrong_fill_reward", -0.3)
+        e = env.clone()
+        assert e.apply([(r, c, wrong[0])])[0] == pytest.approx(-0.3) and e.grid[r][c] == wrong[0]  # still written
+        assert env.clone().apply([(r, c, sol[r][c])])[0] == pytest.approx(0.1)
+        if illegal is not None:
+            assert env.clone().apply([(r, c, illegal)])[0] == pytest.approx(-0.3)
+    assert cases >= 20
+    monkeypatch.setattr(sys, "argv", ["sudoku_solution_reward.py", "--task", "plan"])
+    with pytest.raises(SystemExit, match="drop --task"):
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"), run_name="__main__")
+
+
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])
 def test_training_instances_never_equal_test_instances(task):
     rng = random.Random(0)
