@@ -600,6 +600,7 @@ class Sudoku(GridGame):
             for r, c, v in fills:
                 if 1 <= v <= 4 and not self.clues[r][c]:
                     ref[r][c] = v
+        sol = None if self.wrong_fill_reward is None else sudoku_solutions(self.clues, limit=1)[0]  # the counterfactual's
         total = 0.0
         for r, c, v in fills:
             if full and v == 0:
@@ -612,7 +613,7 @@ class Sudoku(GridGame):
                 continue
             elif self.legal(ref, r, c, v):
                 self.grid[r][c] = v
-                if self.wrong_fill_reward is None or v == sudoku_solutions(self.clues, limit=1)[0][r][c]:
+                if sol is None or v == sol[r][c]:
                     total += 0.1
                 else:
                     total += self.wrong_fill_reward
