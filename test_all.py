@@ -631,6 +631,11 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     assert real["tis_cap"] == 2.0 and tiny["tis_cap"] == 0.0
     # real models keep the paper's group std from step 0; the tiny default divides by the step's std for 60 steps
     assert real["batch_std_steps"] == 0 and tiny["batch_std_steps"] == 60 and tiny["scale_rewards"] == "group"
+    # real models sample at the spec's 1.0; the tiny Plan-Path default at 0.7 (README: greedy held-out lags at 1.0);
+    # the compact Sokoban and Sudoku keep 1.0 (measured so); a flag wins
+    assert real["temperature"] == 1.0 and tiny["temperature"] == 0.7
+    assert T.configure(["--task", "sokoban"])["temperature"] == 1.0 and T.configure(["--task", "sudoku"])["temperature"] == 1.0
+    assert T.configure(["--temperature", "1.0"])["temperature"] == 1.0
     with pytest.raises(SystemExit, match="top_p must be 1.0"):
         T.configure(["--top_p", "0.9"])
 
