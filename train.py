@@ -306,8 +306,8 @@ def random_answer(task, rng, max_moves=4, game=None):
 
 TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; code and math take Plan-Path's)
     "plan": dict(warmup_steps=150, warmup_moves=4, temperature=0.7),  # 0.7: at 1.0 the greedy held-out policy lags (README)
-    "sokoban": dict(warmup_steps=600, warmup_moves=4, temperature=1.0),  # 600: legal answers need more than 150 steps (README)
-    "sudoku": dict(warmup_steps=600, warmup_moves=16, steps=50, temperature=1.0),  # 16: whole grids; 50: the steps 15 minutes hold
+    "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need more than 150 steps (README)
+    "sudoku": dict(warmup_steps=600, warmup_moves=16, steps=50),  # 16: whole grids; 50: the steps 15 minutes hold
 }
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
 GAME_WARMUP = "legal"  # recorded in a Sokoban or Sudoku base's warmup.json: bases from the earlier random warm-ups are not reused
