@@ -77,10 +77,10 @@ entropy_coef = 0.0         # entropy bonus: each token's loss minus this x the p
 alpha = 1.0                # weight of the team reward in every call's reward
 branch = "greedy"          # greedy: the argmax branch continues (paper); random: a random sibling does (ablation)
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
-scale_rewards = "group"    # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO);
+scale_rewards = None       # group: advantage = (r - group mean) / group std (paper); none: r - group mean (Dr. GRPO);
                            # batch: (r - group mean) / the std of all the step's rewards (TRL scale_rewards="batch")
 std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the paper's plain std
-batch_std_steps = None     # the first this many steps use --scale_rewards batch, the rest --scale_rewards; 0 = none (the paper)
+batch_std_steps = None     # the first this many steps use --scale_rewards batch, the rest --scale_rewards; 0 = none (the paper; tiny Plan-Path, whose --scale_rewards is batch)
 temperature = None         # training sampling temperature; the trainer divides logits by it too (tiny Plan-Path 0.7: README)
 top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
 max_new_tokens = None      # response budget per call (tiny: the compact answer's length, envs.COMPACT_ANSWER_TOKENS)
@@ -116,10 +116,10 @@ tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
 DEFAULTS = {  # real Qwen3 (SPEC §6) vs the embedded tiny model on a 2-core CPU
-    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, lr_decay=0.0, batch_std_steps=0, temperature=1.0, eval_n=100, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
+    "real": dict(turns=4, envs_per_step=128, steps=400, lr=1e-6, lr_decay=0.0, scale_rewards="group", batch_std_steps=0, temperature=1.0, eval_n=100, minibatches=2, max_new_tokens=2048, max_prompt_tokens=8192,
                  max_model_len=10240, micro_batch_tokens=16384, eval_every=20, ckpt_every=20, time_limit_min=0.0,
                  grad_checkpoint=True, tis_cap=2.0, gpu_memory_utilization=0.5),
-    "tiny": dict(turns=4, envs_per_step=16, steps=250, lr=5e-4, lr_decay=1.0, batch_std_steps=60, temperature=1.0, eval_n=200, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
+    "tiny": dict(turns=4, envs_per_step=16, steps=250, lr=5e-4, lr_decay=1.0, scale_rewards="group", batch_std_steps=60, temperature=1.0, eval_n=200, minibatches=4, max_new_tokens=8, max_prompt_tokens=256,
                  max_model_len=512, micro_batch_tokens=8192, eval_every=10, ckpt_every=10, time_limit_min=15.0,
                  grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3),
 }
@@ -158,7 +158,7 @@ def parse_flags(argv, cfg):
     if "--help" in argv or "-h" in argv:
         print(usage())
         raise SystemExit(0)
-    types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "lr_decay": float, "batch_std_steps": int, "temperature": float, "eval_n": int, "max_new_tokens": int, "max_prompt_tokens": int,
+    types = {"turns": int, "envs_per_step": int, "steps": int, "lr": float, "lr_decay": float, "batch_std_steps": int, "scale_rewards": str, "temperature": float, "eval_n": int, "max_new_tokens": int, "max_prompt_tokens": int,
              "max_model_len": int, "micro_batch_tokens": int, "eval_every": int, "ckpt_every": int, "time_limit_min": float, "minibatches": int, "warmup_steps": int, "warmup_moves": int,
              "grad_checkpoint": bool, "tis_cap": float, "gpu_memory_utilization": float, "split": str}
     i = 0
@@ -305,7 +305,8 @@ def random_answer(task, rng, max_moves=4, game=None):
 
 
 TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; code and math take Plan-Path's)
-    "plan": dict(warmup_steps=150, warmup_moves=4, temperature=0.7),  # 0.7: at 1.0 the greedy held-out policy lags (README)
+    "plan": dict(warmup_steps=150, warmup_moves=4, temperature=0.7,  # 0.7: at 1.0 the greedy held-out policy lags (README)
+                 scale_rewards="batch"),  # the step's std throughout: at 0.7 the group's (after step 60) froze 2 of 11 runs
     "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need more than 150 steps (README)
     "sudoku": dict(warmup_steps=600, warmup_moves=16, steps=50),  # 16: whole grids; 50: the steps 15 minutes hold
 }
@@ -651,8 +652,8 @@ def configure(argv):
             cfg[k] = v if cfg[k] is None else cfg[k]
     if tiny and cfg["max_new_tokens"] is None:  # the compact game's answer length (Sudoku: 16 digits + end of turn)
         cfg["max_new_tokens"] = E.COMPACT_ANSWER_TOKENS.get(cfg["task"], DEFAULTS["tiny"]["max_new_tokens"])
-    if cfg["batch_std_steps"] is None and cfg["scale_rewards"] != "group":  # the schedule ends on the group std: an
-        cfg["batch_std_steps"] = 0  # explicit --scale_rewards none/batch runs as asked from step 0
+    if cfg["batch_std_steps"] is None and cfg["scale_rewards"] not in (None, "group"):  # the schedule ends on the group
+        cfg["batch_std_steps"] = 0  # std: --scale_rewards none/batch (given, or tiny Plan-Path's) runs so from step 0
     for k, v in DEFAULTS["tiny" if tiny else "real"].items():
         if cfg[k] is None:
             cfg[k] = v
@@ -689,7 +690,7 @@ def configure(argv):
         raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} must be >= 0 (0 = off)")
     if cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
         raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with --scale_rewards group "
-                         f"(not {cfg['scale_rewards']}), or give --batch_std_steps 0")
+                         f"(not {cfg['scale_rewards']}; the tiny Plan-Path default is batch), or give --batch_std_steps 0")
     if not cfg["std_floor"] >= 0.0:
         raise SystemExit(f"--std_floor {cfg['std_floor']} must be >= 0 (0 = off; a floor in reward units, e.g. 0.25)")
     return cfg
