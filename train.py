@@ -23,9 +23,10 @@ What this script simplifies, and why:
     cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
  6. The embedded default (no --model) builds a tiny random Qwen3, warms it up on the answer *format* only (random
     valid move strings or Sudoku fills, legal in the instance for Sokoban and Sudoku, never solutions), and
-    trains on a compact Plan-Path (4x4) through the same code path. Its first 60 steps divide advantages by the
-    step's std instead of each group's (`--batch_std_steps`): at this size the group std blows a wall bump up to
-    +-1.7 and can collapse the answers to one move (README, Results). It samples at temperature 0.7, not the spec's
+    trains on a compact Plan-Path (4x4) through the same code path. It divides advantages by the step's std
+    instead of each group's (`--scale_rewards batch`; Sokoban and Sudoku for their first 60 steps,
+    `--batch_std_steps`): at this size the group std blows a wall bump up to +-1.7, pushes the siblings towards
+    one answer and froze 2 of 11 Plan-Path runs (README, Results). It samples at temperature 0.7, not the spec's
     1.0: the held-out metric is greedy, and at 1.0 the sampled policy learned while the greedy one kept answering
     a few prompt-independent move strings for 100+ steps on about half the seeds (README, Results).
 """
