@@ -306,6 +306,7 @@ def random_answer(task, rng, max_moves=4, game=None):
 
 
 TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; code and math take Plan-Path's)
+    # Sokoban and Sudoku sample at 1.0: Plan-Path's 0.7 was tried on both and did not help them (README, Results)
     "plan": dict(warmup_steps=150, warmup_moves=4, temperature=0.7,  # 0.7: at 1.0 the greedy held-out policy lags (README)
                  scale_rewards="batch"),  # the step's std throughout: at 0.7 the group's (after step 60) froze 2 of 11 runs
     "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need more than 150 steps (README)
