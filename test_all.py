@@ -974,15 +974,20 @@ def test_sokoban_hand_rewards():
 
 
 def test_compact_sokoban_summary_says_what_each_move_does():
-    """The compact Sokoban line (offsets player->box and box->goal, then per move '.' walk, '#' wall, '$' push,
-    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; one by hand."""
+    """The compact Sokoban line (offsets player->push spot and box->goal, then per move '.' walk, '#' wall, '$' push,
+    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; by hand;
+    and the line is enough: a rule reading only it (walk to the spot, then push along the goal's longer offset) solves
+    >= 0.85 of 200 test rooms within the 4 turns, judged by the game, against 0.34 with the box's offset (the old line)."""
     rng = random.Random(0)
+    sign = lambda x: (x > 0) - (x < 0)
     for env in E.test_set("sokoban", n=100, compact=True):
         e = env.clone()
         for _ in range(6):
-            off_box, off_goal, cells = e.summary().split()
+            off_spot, off_goal, cells = e.summary().split()
             (pr, pc), (br, bc), (gr, gc) = e.player, e.box, e.goal
-            assert off_box == f"{br - pr:+d}{bc - pc:+d}" and off_goal == f"{gr - br:+d}{gc - bc:+d}"
+            push = (sign(gr - br), 0) if abs(gr - br) >= abs(gc - bc) else (0, sign(gc - bc))  # along the longer offset
+            assert push != (0, 0) and off_goal == f"{gr - br:+d}{gc - bc:+d}"
+            assert off_spot == f"{br - push[0] - pr:+d}{bc - push[1] - pc:+d}"  # the cell the push starts from
             for a, sym in zip(cells[0::2], cells[1::2]):
                 dr, dc = STEP[a]
                 q = (pr + dr, pc + dc)
@@ -996,10 +1001,32 @@ def test_compact_sokoban_summary_says_what_each_move_does():
     e = E.make_env("sokoban", seed=0, compact=True)
     e.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
     e.player, e.box, e.goal = (2, 1), (2, 2), (2, 4)
-    assert e.summary() == "+0+1 +0+2 U.D.L#R$"
+    assert e.summary() == "+0+0 +0+2 U.D.L#R$"  # at the spot: push right twice
+    e.player = (3, 3)
+    assert e.summary() == "-1-2 +0+2 U.D.L.R."  # the spot (2, 1) is up 1, left 2
     e.player, e.box = (1, 2), (1, 3)
     e.walls.add((1, 4))
-    assert e.summary() == "+0+1 +1+1 U#D.L.Rx"
+    assert e.summary() == "-1+1 +1+1 U#D.L.Rx"  # a tie goes to rows: the spot is above the box (here a wall)
+
+    def offset(s):
+        i = max(s.rfind("+"), s.rfind("-"))
+        return int(s[:i]), int(s[i:])
+
+    def line_rule(line):  # reads nothing but the line
+        (sr, sc), (gr, gc), cells = offset(line.split()[0]), offset(line.split()[1]), line.split()[2]
+        meets = dict(zip(cells[0::2], cells[1::2]))
+        v, h = ("D" if sr > 0 else "U") * abs(sr), ("R" if sc > 0 else "L") * abs(sc)
+        walk = v + h if not v or meets[v[0]] == "." else h + v
+        push = ("D" if gr > 0 else "U") * abs(gr) if abs(gr) >= abs(gc) else ("R" if gc > 0 else "L") * abs(gc)
+        return list(walk + push)[:7]  # the 8-token answer holds 7 moves
+
+    solved = 0
+    for env in E.test_set("sokoban", n=200, compact=True):
+        for _ in range(4):
+            if env.apply(line_rule(env.summary()))[1]:
+                solved += 1
+                break
+    assert solved >= 170, solved  # 175 of 200 today
 
 
 def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
@@ -2241,13 +2268,17 @@ def test_bad_flags_fail_fast(tmp_path):
     (tmp_path / "tiny-base-plan-s0" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="was built with .*'warmup_moves': 4.* asks for .*'warmup_moves': 7"):
         T.main(["--warmup_moves", "7", "--out_dir", str(tmp_path / "run")])
-    # a Sudoku base from an earlier warm-up (the sparse one: same moves, random cells and digits) is not reused either
-    os.makedirs(tmp_path / "tiny-base-sudoku-s0")
-    (tmp_path / "tiny-base-sudoku-s0" / "config.json").write_text("{}")
-    (tmp_path / "tiny-base-sudoku-s0" / "warmup.json").write_text(
-        json.dumps({"warmup_steps": 150, "warmup_moves": 4, "answers": "sparse"}))
-    with pytest.raises(SystemExit, match="was built with .*'sparse'.* asks for .*'warmup_steps': 600.*'answers': 'legal'"):
-        T.main(["--task", "sudoku", "--out_dir", str(tmp_path / "run")])
+    # nor a Sudoku base from an earlier warm-up (the sparse one: same moves, random cells and digits), nor a Sokoban
+    # base whose warm-up saw the earlier compact line (the box's offset, not the push spot's)
+    for task, record, msg in [("sudoku", {"warmup_steps": 150, "warmup_moves": 4, "answers": "sparse"},
+                               "was built with .*'sparse'.* asks for .*'warmup_steps': 600.*'answers': 'legal'"),
+                              ("sokoban", {"warmup_steps": 600, "warmup_moves": 4, "answers": "legal"},
+                               "was built with .*'legal'}.* asks for .*'view': 'push spot'")]:
+        os.makedirs(tmp_path / f"tiny-base-{task}-s0")
+        (tmp_path / f"tiny-base-{task}-s0" / "config.json").write_text("{}")
+        (tmp_path / f"tiny-base-{task}-s0" / "warmup.json").write_text(json.dumps(record))
+        with pytest.raises(SystemExit, match=msg):
+            T.main(["--task", task, "--out_dir", str(tmp_path / "run")])
 
 
 def test_resolve_policies_role_maps_settings_and_misuse(tiny_dir):

@@ -314,6 +314,7 @@ TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; c
 }
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with
 GAME_WARMUP = "legal"  # recorded in a Sokoban or Sudoku base's warmup.json: bases from the earlier random warm-ups are not reused
+SOKOBAN_VIEW = "push spot"  # recorded in a Sokoban base's warmup.json: bases that saw the earlier line (the box's offset) are not reused
 
 
 def sft_step(m, opt, batch):
@@ -342,6 +343,8 @@ def build_tiny_base(path, task, cfg, size="tiny"):
     want = {"warmup_steps": cfg["warmup_steps"], "warmup_moves": cfg["warmup_moves"]}
     if task in ("sokoban", "sudoku"):
         want["answers"] = GAME_WARMUP
+    if task == "sokoban":
+        want["view"] = SOKOBAN_VIEW
     if os.path.exists(os.path.join(path, "config.json")):
         rec = os.path.join(path, "warmup.json")
         have = json.load(open(rec)) if os.path.exists(rec) else WARMUP_BEFORE_RECORD
