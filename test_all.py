@@ -2453,13 +2453,16 @@ def test_close_dist_waits_for_every_rank_before_the_group_goes(monkeypatch):
     reached interpreter shutdown, the freed tensors' Python references abort it ("terminate called without an active
     exception": CI, test_fsdp2_two_processes_match_single; a core dump showed ProcessGroupGloo::runLoop ->
     ~AsyncAllgatherCoalescedWork -> decref -> PyThread_exit_thread). close_dist puts a barrier (whose work holds no
-    tensors) between a rank's last collective and the teardown; with one rank or no group it does no collective."""
+    tensors) and a 0.2 s pause (the barrier orders completion, not the other worker thread's release of the last
+    work: CI aborted once more with the barrier alone) between a rank's last collective and the teardown; with one
+    rank or no group it does neither."""
     import torch.distributed as dist
     import train as T
     calls = []
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
-    for initialized, world, want in [(True, 2, ["barrier", "destroy"]), (True, 1, ["destroy"]), (False, 2, [])]:
+    monkeypatch.setattr(T.time, "sleep", lambda s: calls.append(f"sleep {s}"))  # gloo's other thread drops its work
+    for initialized, world, want in [(True, 2, ["barrier", "sleep 0.2", "destroy"]), (True, 1, ["destroy"]), (False, 2, [])]:
         calls.clear()
         monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
         monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: world)

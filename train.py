@@ -231,11 +231,15 @@ def close_dist():
     last collective just finished can reach interpreter shutdown while gloo's worker thread is still freeing that
     collective's work; the freed tensors' Python references then abort the process ("terminate called without an
     active exception"; about 1 in 30 two-rank CPU runs here, core dump: ProcessGroupGloo::runLoop ->
-    ~AsyncAllgatherCoalescedWork -> decref -> PyThread_exit_thread). The barrier's own work holds no tensors."""
+    ~AsyncAllgatherCoalescedWork -> decref -> PyThread_exit_thread). The barrier's own work holds no tensors. The
+    barrier orders completion, not release: gloo runs works on 2 threads, and the thread that ran the last collective
+    marks it complete before it drops it, so a thread descheduled in between can still drop it after this returns (it
+    happened once more in CI on the loaded 2-core machine). The pause gives it 0.2 s, against microseconds of work."""
     if not dist.is_initialized():
         return
     if dist.get_world_size() > 1:
         dist.barrier()
+        time.sleep(0.2)
     dist.destroy_process_group()
 
 
