@@ -392,10 +392,11 @@ class Sokoban(GridGame):
         against 0.34 when the first offset is the box's (test_all.py; README, Results). Same information as the
         room, in a form a tiny model learns from in minutes."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
-        if abs(gr - br) >= abs(gc - bc):
-            sr, sc = br - (gr > br) + (gr < br), bc
+        if abs(gr - br) >= abs(gc - bc):  # the push's direction, one step along the goal's longer offset
+            push = ((gr > br) - (gr < br), 0)
         else:
-            sr, sc = br, bc - (gc > bc) + (gc < bc)
+            push = (0, (gc > bc) - (gc < bc))
+        sr, sc = br - push[0], bc - push[1]  # the push spot: the cell the push starts from
         cells = ""
         for a, (dr, dc) in MOVES.items():
             q = (pr + dr, pc + dc)
