@@ -6,6 +6,7 @@ against the torch sampler and HF generate, a single process for FSDP2, brute-for
 hand-computed rewards for the envs and the loss. Sections follow the files: model, engines, FSDP2, envs,
 sandbox, grouping/loss, rollouts, training, eval.
 """
+import collections
 import json
 import math
 import os
@@ -957,6 +958,33 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
     counts = cells.main(tiny_dir, n=3)
     for role in ("tool", "plan"):
         assert sum(v for (k, o), v in counts[role].items() if k != "answer") + 16 * counts[role]["answer", "unparseable"] == 48
+
+
+def test_sokoban_lengths_splits_rooms_by_the_solution_they_need(tiny_dir):
+    """docs/sokoban_lengths.py (the README's split of solved Sokoban rooms): lengths against the test's own BFS, "on
+    the spot" against the test's own push rule (the player on the cell behind the box, away from the goal along the
+    goal's longer offset), and every room solvable in 2 moves starts on the spot (two pushes, the box being >= 2 from
+    its goal); main runs the tiny model with eval.py's protocol and splits exactly the n rooms it played."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lengths", os.path.join(os.path.dirname(__file__), "docs", "sokoban_lengths.py"))
+    lengths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths)
+    sign = lambda x: (x > 0) - (x < 0)
+    envs = E.test_set("sokoban", n=60, compact=True)
+    solved = [i % 3 == 0 for i in range(len(envs))]
+    want = collections.defaultdict(lambda: [0, 0])
+    for env, ok in zip(envs, solved):
+        (br, bc), (gr, gc) = env.box, env.goal
+        push = (sign(gr - br), 0) if abs(gr - br) >= abs(gc - bc) else (0, sign(gc - bc))
+        n_moves, on_spot = len(solve_sokoban(env)), env.player == (br - push[0], bc - push[1])
+        assert on_spot or n_moves > 2
+        for key in (("moves", n_moves), ("on spot", on_spot)):
+            want[key][0] += 1
+            want[key][1] += ok
+    assert lengths.table(envs, solved) == dict(want) and want["on spot", True][0] > 5 and want["moves", 5][0] > 5
+    rows = lengths.main(tiny_dir, n=3)
+    assert sum(v[0] for (split, _), v in rows.items() if split == "moves") == 3
+    assert sum(v[0] for (split, _), v in rows.items() if split == "on spot") == 3
 
 
 def test_sokoban_hand_rewards():
