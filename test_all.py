@@ -2711,7 +2711,8 @@ def test_games_test_sets_run(torch_agents):
 def test_eval_counts_distinct_first_answers(tiny_dir):
     """eval.py's open-loop check: per role, how many different first-turn answers the test instances got. A script
     that ignores the room answers alike everywhere (1 of n); one that reads the compact Plan-Path goal offset gives as
-    many answers as the test finds distinct (vertical, horizontal) directions among the instances itself."""
+    many answers as the test finds distinct (vertical, horizontal) directions among the instances itself. And each
+    instance's outcome (`per_instance`) is the one it gets when played alone."""
     envs_ = E.test_set("plan", compact=True, limit=12)
     res = V.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), turns=2, max_new_tokens=8)
     assert {r: (v["distinct_first_answers"], v["instances"]) for r, v in res["per_role"].items()} == {"tool": (1, 12), "plan": (1, 12)}
@@ -2723,6 +2724,9 @@ def test_eval_counts_distinct_first_answers(tiny_dir):
     res = V.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)
     assert want > 2 and res["per_role"]["tool"]["distinct_first_answers"] == want
     assert f"| {want} of 12 |" in V.markdown(res, "t")  # the report's column
+    # each instance's outcome, in test-set order: as each instance played alone
+    alone = [V.evaluate([e], _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)["per_instance"][0] for e in envs_]
+    assert res["per_instance"] == alone and 0 < sum(x[0] for x in alone) < 12 and res["accuracy"] == sum(x[0] for x in alone) / 12
 
 
 def test_mean_curve_of_seeds_by_hand(tmp_path):
