@@ -120,8 +120,9 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
                     merged[r][kk] += vv
         role_stats = merged
     results.sort()
-    res = summarize([r[1] for r in results], k)
-    res["per_instance"] = [r[1] for r in results]  # each test instance's k outcomes, in test-set order
+    per_instance = [r[1] for r in results]  # each test instance's k outcomes, in test-set order
+    res = summarize(per_instance, k)
+    res["per_instance"] = per_instance
     res["per_role"] = {r: {"calls": int(v["calls"]), "format_error_rate": v["format_errors"] / max(1, v["calls"]),
                            "local_reward": v["local_reward"] / max(1, v["calls"]),
                            "answer_tokens": v["answer_tokens"] / max(1, v["calls"]),
