@@ -1560,9 +1560,12 @@ def test_code_env_pass_rates_and_hand_rewards():
     assert E.CodeEnv(lc).step("coder", "```python\nclass Solution:\n    pass\n```") < 1.0
 
 
-def test_code_history_shows_input_expected_actual():
+def test_code_history_shows_input_expected_actual(monkeypatch):
     """Both agents see, for up to 3 failing tester cases, the input, the expected output and what the code did
     (SPEC §4; the reference shows all three). Was the fixed line "some generated tests fail"."""
+    # What the code did, not how fast: on a loaded machine (two training runs beside the suite on 2 cores) the
+    # crashing LiveCodeBench program below once took longer than the 6 s test limit and showed "(timed out)".
+    monkeypatch.setattr(E, "TEST_TIMEOUT", 60.0)
     stdio = {"id": "t", "question": "Print the sum of two integers.", "starter_code": "", "test_type": "stdio",
              "tests": [{"input": "1 2\n", "output": "3\n"}], "test_code": "", "entry_point": None,
              "source": "code_contests", "meta": {}}
