@@ -511,7 +511,7 @@ class Sudoku(GridGame):
     fail_reward = -1.0
     wrong_fill_reward = None  # None: a legal fill earns +0.1 whether or not it is the solution's digit (the spec's
     # "partial progress for legal fills"); a number: what a legal fill off the solution earns instead. Only for the
-    # the experiment log's counterfactual (docs/sudoku_solution_reward.py), never the paper's reward.
+    # experiment log's counterfactual (docs/sudoku_solution_reward.py), never the paper's reward.
 
     def __init__(self, seed, workflow="mas", compact=False):
         super().__init__(workflow, compact)

@@ -901,7 +901,7 @@ def test_sokoban_instances_solvable(compact):
 
 
 def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
-    """docs/sft_probe.py (the capacity probe, docs/experiments.md): its Sokoban answers are shortest solutions by the test's own
+    """docs/sft_probe.py (the capacity probe): its Sokoban answers are shortest solutions by the test's own
     BFS; its Sudoku answers fill exactly the empty cells with the test's own brute-force solution (and solve the
     puzzle), also on the part-filled states it trains on; two steps per task write a loadable model that differs from
     the base; Plan-Path is refused."""
@@ -933,7 +933,7 @@ def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
 
 
 def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
-    """docs/sudoku_cells.py (the per-cell reading of Sudoku policies, docs/experiments.md) against the test's own brute-force
+    """docs/sudoku_cells.py (per-cell reading of Sudoku policies) against the test's own brute-force
     solver and candidate count: the single-candidate answer (the solution in every 1-candidate cell, 0 elsewhere) is
     counted as "solution" there and "0" everywhere else; a digit off the solution in a 2-candidate cell counts as
     "other"; a malformed answer as unparseable; main runs the tiny model on a few puzzles and counts 16 cells each."""
@@ -970,7 +970,7 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
 
 
 def test_sokoban_lengths_splits_rooms_by_the_solution_they_need(tiny_dir):
-    """docs/sokoban_lengths.py (the split of solved Sokoban rooms: README and docs/experiments.md): lengths against the test's own BFS, "on
+    """docs/sokoban_lengths.py (split of solved Sokoban rooms): lengths against the test's own BFS, "on
     the spot" against the test's own push rule (the player on the cell behind the box, away from the goal along the
     goal's longer offset), and every room solvable in 2 moves starts on the spot (two pushes, the box being >= 2 from
     its goal); main runs the tiny model with eval.py's protocol and splits exactly the n rooms it played."""
@@ -1254,7 +1254,7 @@ def test_sudoku_recovers_from_a_legal_wrong_fill():
 
 
 def test_sudoku_solution_reward_counterfactual(monkeypatch):
-    """docs/sudoku_solution_reward.py (the counterfactual in README and docs/experiments.md): with `Sudoku.wrong_fill_reward` set, a legal fill
+    """docs/sudoku_solution_reward.py (the counterfactual): with `Sudoku.wrong_fill_reward` set, a legal fill
     off the solution (the test's own exhaustive solver) earns that instead of +0.1, a right fill still +0.1 and an
     illegal one -0.3; unset (the spec's reward, the default) the wrong legal fill earns +0.1. The script refuses --task."""
     import runpy
@@ -1684,7 +1684,7 @@ def test_scale_rewards_none_and_batch_by_hand():
 
 
 def test_std_floor_by_hand():
-    # the wall-bump group of seed 2 (docs/experiments.md): three siblings 1.0, one that bumped a wall 0.9. Its std is 0.0433, so
+    # the wall-bump group of seed 2 (the log): three siblings 1.0, one that bumped a wall 0.9. Its std is 0.0433, so
     # the plain group std gives the bump -sqrt(3) = -1.73; with a floor of 0.25 it is (0.9 - 0.975) / 0.25 = -0.3
     bump = [_s(0, "plan", 0, j, r) for j, r in enumerate([1.0, 1.0, 1.0, 0.9])]
     # a group that differs by reaching the goal: 0, 0, 2.5, 2.5 (std 1.25 > floor): the floor leaves it at +-1

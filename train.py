@@ -281,7 +281,7 @@ def random_answer(task, rng, max_moves=4, game=None):
     model knows them, not the solution (a Sudoku cell with two candidates gets either). Why: random Sudoku fills are
     illegal 60% of the time (-0.4 per answer), RL's cheapest gain was to stop filling and the policy collapsed to all
     zeros; random Sokoban moves taught a policy that ignored the room (one answer to all 200). From legal answers both
-    read the instance (docs/experiments.md, "legal-move" and "legal-fill warm-up"). Not every Sudoku cell random either: a dense
+    read the instance (docs/experiments.md: "legal-move", "legal-fill warm-up"). Not every Sudoku cell random either: a dense
     grid holds ~10 illegal fills (-2.9) and RL's first lesson was to break the format (-1)."""
     if task == "sudoku":
         cells = ["0"] * 16
@@ -313,7 +313,7 @@ TINY_TASK = {  # the tiny default's settings that differ by game (a flag wins; c
     # Sokoban and Sudoku sample at 1.0: Plan-Path's 0.7 was tried on both and did not help them (docs/experiments.md)
     "plan": dict(warmup_steps=150, warmup_moves=4, temperature=0.7,  # 0.7: at 1.0 the greedy held-out policy lags (README)
                  scale_rewards="batch"),  # the step's std throughout: at 0.7 the group's (after step 60) froze 2 of 11 runs
-    "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need more than 150 steps (docs/experiments.md)
+    "sokoban": dict(warmup_steps=600, warmup_moves=4),  # 600: legal answers need over 150 steps (docs/experiments.md)
     "sudoku": dict(warmup_steps=600, warmup_moves=16, steps=50),  # 16: whole grids; 50: the steps 15 minutes hold
 }
 WARMUP_BEFORE_RECORD = {"warmup_steps": 150, "warmup_moves": 4}  # what a cached base without warmup.json was built with

@@ -1,4 +1,4 @@
-"""Capacity probe for compact Sokoban and Sudoku (a diagnostic, not part of training; docs/experiments.md "Do the trained policies
+"""Capacity probe for compact Sokoban and Sudoku (a diagnostic, not training; docs/experiments.md "Do the trained policies
 read the room at all?"). RL leaves the tiny policy open-loop (one answer to every room or puzzle). Is that the model's
 size or the view? This fine-tunes the cached tiny base on *solver* answers from the state shown (on training
 instances, and on states along their solutions as later turns see them) and saves it for eval.py:

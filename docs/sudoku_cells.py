@@ -1,4 +1,4 @@
-"""What a compact-Sudoku policy writes, cell by cell (a diagnostic, not part of training; docs/experiments.md "Why Sudoku's seed 2
+"""What a compact-Sudoku policy writes, cell by cell (a diagnostic, not training; docs/experiments.md "Why Sudoku's seed 2
 stays at ~0.2"). Each cell of the turn-1 view is a clue (a digit) or an empty cell with 1-4 candidates (its
 letter); each digit of the greedy 16-digit answer below it is the unique solution's digit, another digit, or 0 ("no
 answer"). A policy that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test

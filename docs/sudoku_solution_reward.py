@@ -1,4 +1,4 @@
-"""Counterfactual for compact Sudoku (a diagnostic, not part of training and not the paper's reward; docs/experiments.md "Why a run
+"""Counterfactual for compact Sudoku (a diagnostic, not the paper's reward; docs/experiments.md "Why a run
 turns into a guesser"). The spec pays +0.1 for every legal fill, right or wrong, and AT-GRPO's per-turn rewards never
 charge a wrong guess for the puzzle it leaves unsolvable, so the tiny policy learns to guess. This runs train.py with
 one change: a legal fill that is not the unique solution's digit earns -0.3 (an illegal fill's penalty) instead of
