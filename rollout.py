@@ -16,9 +16,11 @@ Engines (one small interface, used by training and evaluation):
 The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines and evaluation) is below.
 """
 import json
+import logging
 import math
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -83,9 +85,17 @@ class VLLMEngine(Engine):
     def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one log line per step is ours to print
+        # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
+        # CPU backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls,
+        # the LD_PRELOAD advice measured in README "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
+        # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
+        # "vllm" logger here covers what it logs while being imported, before that.
+        level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
+        logging.getLogger("vllm").setLevel(level.upper())
         import torch.distributed as dist
-        from vllm import LLM
+        with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
+            from vllm import LLM
         self.cuda = torch.cuda.is_available()
         self.sleep_mode = self.cuda and sleep_mode
         self.external = dist.is_initialized() and dist.get_world_size() > 1
@@ -97,9 +107,12 @@ class VLLMEngine(Engine):
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
         self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
-        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len, enforce_eager=not self.cuda,
-                       logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
-                       tensor_parallel_size=1, enable_prefix_caching=True, **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
+            self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
+                           enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
+                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
+                           enable_prefix_caching=True, use_tqdm_on_load=self.cuda, **kw)  # CPU: a tiny load, no bar
         self.dtype = self.llm.llm_engine.model_config.dtype
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
@@ -135,8 +148,8 @@ class VLLMEngine(Engine):
         and setup.sh pins the CUDA build to the same vLLM version, so CI proves the API GPU users get. (Never call
         reload_weights without an iterator: it re-reads the checkpoint from disk and silently undoes training.)"""
         self.wake(("weights",))  # level-2 sleep discarded the weights: all of them are loaded below
-        import logging  # every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news.
-        # Set here, not at start-up: vLLM imports that module (and sets its level) at the first reload.
+        # Every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news. Set here, not
+        # at start-up: vLLM imports that module (and sets its level) at the first reload.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
         self.llm.collective_rpc(_repack_tied_lm_head)
