@@ -93,9 +93,6 @@ class VLLMEngine(Engine):
         level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
         logging.getLogger("vllm").setLevel(level.upper())
         import torch.distributed as dist
-        with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
-            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
-            from vllm import LLM
         self.cuda = torch.cuda.is_available()
         self.sleep_mode = self.cuda and sleep_mode
         self.external = dist.is_initialized() and dist.get_world_size() > 1
@@ -107,8 +104,9 @@ class VLLMEngine(Engine):
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
         self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
             warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
+            from vllm import LLM
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
                            enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,

