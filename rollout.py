@@ -90,10 +90,10 @@ class VLLMEngine(Engine):
         # the LD_PRELOAD advice measured in README "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
         # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
         # "vllm" logger here covers what it logs while being imported, before that.
-        level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
+        self.cuda = torch.cuda.is_available()
+        level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if self.cuda else "ERROR")
         logging.getLogger("vllm").setLevel(level.upper())
         import torch.distributed as dist
-        self.cuda = torch.cuda.is_available()
         self.sleep_mode = self.cuda and sleep_mode
         self.external = dist.is_initialized() and dist.get_world_size() > 1
         kw = {}
