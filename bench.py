@@ -56,7 +56,7 @@ def bench_model(repeats=7):
 
 
 def bench_sampler(repeats=5):
-    from rollout import make_engine
+    from policies import make_engine
     d = tempfile.mkdtemp()
     M.build_tiny(d, size="tiny", std=0.1)
     prompts = [[257] + [40 + (i * 7 + j) % 50 for j in range(40)] for i in range(64)]
@@ -102,7 +102,8 @@ def bench_env_one(task):
     cache read SANDBOX_WORKERS / SCORE_THREADS / SANDBOX_CACHE at import, so each configuration is its own process."""
     import random
     import envs as E
-    from rollout import Agents, DefaultScript, ScriptedEngine, tree_rollout
+    from rollout import Agents, tree_rollout
+    from scripted import DefaultScript, ScriptedEngine
     from transformers import AutoTokenizer
     d = tempfile.mkdtemp()
     M.build_tokenizer(d)
@@ -139,14 +140,15 @@ def bench_train(n_rollouts=3, repeats=5):
     import copy
     import random
     import envs as E
+    import tiny
     import train as T
     from grpo_mas import compute_advantages
-    from rollout import Agents, make_engine, tree_rollout
+    from policies import make_engine
+    from rollout import Agents, tree_rollout
     from transformers import AutoTokenizer
-    cfg = {k: getattr(T, k) for k in T.config_keys}
-    cfg.update({k: v for k, v in T.DEFAULTS["tiny"].items()})
-    base = os.path.join("runs", "tiny-base-plan-s0")
-    T.build_tiny_base(base, "plan", cfg)  # cached: the same base every default run starts from
+    cfg = T.configure([])  # the CPU default (preset tiny)
+    base = tiny.base_path(cfg)
+    tiny.build_base(base, cfg)  # cached: the same base every default run starts from
     tok = AutoTokenizer.from_pretrained(base)
     agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])], {"tool": 0, "plan": 0},
                     cfg["max_prompt_tokens"])
@@ -167,7 +169,8 @@ def bench_train(n_rollouts=3, repeats=5):
                 m = copy.deepcopy(model0)
                 opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
                 t0 = time.perf_counter()
-                st = T.update_policy(m, opt, samples, {**cfg, "pack": pack}, 1, torch.device("cpu"))
+                st = T.update_policy(m, opt, samples, {**cfg, "pack": pack, "split": "groups" if pack else "strided"}, 1,
+                                    torch.device("cpu"))
                 res[pack].append(time.perf_counter() - t0)
                 toks.setdefault(pack, []).append(st["trained_tokens"])
     print(json.dumps({"bench": f"update of the CPU default on {n_rollouts} real rollouts (tiny base, compact Plan-Path, 16 envs, "
@@ -188,8 +191,8 @@ def bench_gpu(parts="parity,step,update"):
     memory.py's estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a
     paper-shaped batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
     assert torch.cuda.is_available(), "bench.py gpu needs CUDA"
-    import train as T
-    T.setup_dist()  # a 1-rank NCCL group, as a lone-GPU training run makes
+    import common as C
+    C.setup_dist()  # a 1-rank NCCL group, as a lone-GPU training run makes
     peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H100 SXM dense bf16
     parts = parts.split(",")
     if "parity" in parts:
@@ -271,6 +274,7 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
     defaults (2 mini-batches, 16384-token micro-batches, checkpointing, TIS cap 2), eager. Tokens/s counts every
     distinct token once (prompt + responses), so packed and unpacked rows do the same useful work."""
     import random
+    import common as C
     import train as T
     from rollout import Sample
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
@@ -283,8 +287,8 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
             samples.append(Sample(0, g, "plan", 0, 0, prompt, [rng.randrange(151643) for _ in range(n)],
                                   [-rng.random() * 3 for _ in range(n)], 0.0, adv=rng.choice([-1.0, 1.0])))
     distinct = sum(len(s.response_ids) for s in samples) + sum(len(samples[g * K].prompt_ids) for g in range(groups))
-    tc = dict(minibatches=2, split=None, micro_batch_tokens=16384, temperature=1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0,
-              kl_coef=0.0, tis_cap=2.0, grad_clip=1.0)
+    tc = dict(minibatches=2, micro_batch_tokens=16384, temperature=1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0,
+              kl_coef=0.0, tis_cap=2.0, grad_clip=1.0, entropy_coef=0.0)
     torch.manual_seed(0)
     m = M.Qwen3(cfg)
     m.init_weights(0.02)
@@ -296,10 +300,10 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
     bare = 2 * 4095 / timeit(step, 5)
     print(json.dumps({"bench": "bare fwd+bwd+AdamW, 2 x 4096, same model", "tokens_per_s": bare}), flush=True)
     for pack in packs:
-        c = {**tc, "pack": pack}
+        c = {**tc, "pack": pack, "split": "groups" if pack else "strided"}
 
         def upd():
-            st = T.update_policy(m, opt, samples, c, 1, T.DEVICE)
+            st = T.update_policy(m, opt, samples, c, 1, C.DEVICE)
             torch.cuda.synchronize()
             return st
         t0 = time.perf_counter()

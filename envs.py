@@ -509,9 +509,6 @@ class Sudoku(GridGame):
     answer_fmt = ("the completed grid as a JSON list of 4 rows, e.g. [[1,2,3,4],[3,4,1,2],[2,1,4,3],[4,3,2,1]] "
                   "(or a list of [row, col, value] fills, 0-based)")
     fail_reward = -1.0
-    wrong_fill_reward = None  # None: a legal fill earns +0.1 whether or not it is the solution's digit (the spec's
-    # "partial progress for legal fills"); a number: what a legal fill off the solution earns instead. Only for the
-    # experiment log's counterfactual (docs/sudoku_solution_reward.py), never the paper's reward.
 
     def __init__(self, seed, workflow="mas", compact=False):
         super().__init__(workflow, compact)
@@ -609,7 +606,6 @@ class Sudoku(GridGame):
             for r, c, v in fills:
                 if 1 <= v <= 4 and not self.clues[r][c]:
                     ref[r][c] = v
-        sol = None if self.wrong_fill_reward is None else sudoku_solutions(self.clues, limit=1)[0]  # the counterfactual's
         total = 0.0
         for r, c, v in fills:
             if full and v == 0:
@@ -622,14 +618,15 @@ class Sudoku(GridGame):
                 continue
             elif self.legal(ref, r, c, v):
                 self.grid[r][c] = v
-                if sol is None or v == sol[r][c]:
-                    total += 0.1
-                else:
-                    total += self.wrong_fill_reward
+                total += self.fill_reward(r, c, v)
             else:
                 total -= 0.3
         solved = sudoku_valid(self.grid)
         return total + (2.0 if solved else 0.0), solved, f"{sum(v == 0 for row in self.grid for v in row)} empty cells"
+
+    def fill_reward(self, r, c, v):
+        """A legal fill that changes a cell: the spec's partial progress, whether or not v is the solution's digit."""
+        return 0.1
 
 
 # -----------------------------------------------------------------------------

@@ -1,15 +1,12 @@
 """
-Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7), or plot training curves.
+Evaluate checkpoints on a task's test set with the paper's protocol (SPEC §7). Tables and curves of training runs:
+tools/runs.py.
 
     python eval.py --task plan --model runs/default/ckpt/policy-tool+plan            # MAS, greedy, one sample
     python eval.py --task plan --model M --workflow single                   # the single-agent baseline
     python eval.py --task plan --policy tool=A --policy plan=B               # any checkpoint per role (role swaps)
     python eval.py --task math --team 2,2 --model M                          # N reasoners + M tool agents + a judge
-    python eval.py --summary runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1           # multi-seed table of training runs
     python eval.py --task math --model M --k 4 --temperature 0.6             # math default: avg@4 and pass@4
-    python eval.py --plot runs/default runs/grpo --out curves.png            # curves from metrics.jsonl
-    python eval.py --summary runs/a-s0 runs/b-s0 --at_step 100               # step-matched (runs of different speeds)
-    python eval.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps        # curves against the step
 
 Rollouts are the same code as training (plain rollouts, no tree). Accuracy = fraction of instances whose
 episode ends in success. With k samples per instance: avg@k = mean success over all samples, pass@k = unbiased
@@ -140,154 +137,6 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
 
 
 # -----------------------------------------------------------------------------
-# plots
-
-
-def plot(run_dirs, out_png, x="minutes", at_step=None):
-    """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
-    configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold. x: "minutes"
-    (wall clock) or "steps" (runs made on different machines or core counts line up by step); at_step: as summary's."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = [("eval_success", "held-out success (greedy)"), ("reward", "train reward per agent"),
-              ("dlogp", "sampler vs trainer |dlogp|"), ("grad_norm", "grad norm")]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    if x not in ("minutes", "steps"):
-        raise SystemExit(f"--x {x!r}: minutes or steps")
-    xof = (lambda r: r.get("time", 0) / 60) if x == "minutes" else (lambda r: r["step"])
-    groups = group_runs(run_dirs, need_config=False, at_step=at_step)
-    for n, (label, runs) in enumerate(groups.items()):
-        color = f"C{n % 10}"
-        curves = [[(r["step"], xof(r), r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
-        if len(runs) == 1:  # one run: its own curve
-            axes[0].plot([m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label)
-        else:  # several seeds: each faint, their mean (at the steps all evaluated) bold
-            for c in curves:
-                axes[0].plot([m for _, m, _ in c], [y for _, _, y in c], color=color, alpha=0.3, linewidth=1)
-            mc = mean_curve(curves)
-            axes[0].plot([m for m, _ in mc], [y for _, y in mc], color=color, linewidth=2.5, label=f"{label} (mean of {len(runs)})")
-    for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
-        name = os.path.basename(os.path.normpath(d))
-        xs = lambda key: [(xof(r), r[key]) for r in rec if key in r]
-        for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
-            v = xs(key)
-            axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("dlogp_p")}):
-            v = xs(key)
-            axes[2].semilogy([x for x, _ in v], [max(y, 1e-12) for _, y in v], label=f"{name} {key[6:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("grad_norm_p")}):
-            v = xs(key)
-            axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
-    for ax, (_, title) in zip(axes, panels):
-        ax.set_title(title)
-        ax.set_xlabel("wall-clock minutes" if x == "minutes" else "training step")
-        ax.grid(alpha=0.3)
-        if 0 < len(ax.get_legend_handles_labels()[0]) <= 12:  # none for an empty panel, or one too long to read
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    return out_png
-
-
-RUN_LENGTH = ("stop_step", "time_limit_min")  # where a run stops: with at_step they do not tell configurations apart
-
-
-# flags added with a default that changed the behaviour: what runs from before the flag did (config.json lacks it)
-BEFORE_FLAG = {"batch_std_steps": 0}  # 2026-11-23: the tiny default became 60; runs before divided by the group's std
-
-
-def flag_defaults():
-    import train as T
-    return {**{k: getattr(T, k) for k in T.config_keys}, **BEFORE_FLAG}
-
-
-def group_runs(run_dirs, need_config=True, at_step=None):
-    """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
-    out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
-    allowed with need_config=False) is a group of its own, labelled by its directory name. at_step: keep each run's
-    records up to that step only (step-matched comparisons of runs of different lengths or speeds); every run must
-    have reached it, and then the settings that only say where a run stops (RUN_LENGTH) are not configuration."""
-    runs, defaults = [], flag_defaults()
-    for d in run_dirs:
-        cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
-        if not os.path.exists(mpath) or (need_config and not os.path.exists(cpath)):
-            raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
-        cfg = None
-        if os.path.exists(cpath):
-            skip = ("seed", "out_dir", "resume", "resolved_policies") + (RUN_LENGTH if at_step is not None else ())
-            # a flag missing from an older run's config.json was added after it: the run had the behaviour the flag's
-            # default keeps (new flags default to the old behaviour, or BEFORE_FLAG says what it was), so it groups
-            # with new runs at that value
-            cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
-        rec = [json.loads(l) for l in open(mpath) if l.strip()]
-        if at_step is not None:
-            last = max((r["step"] for r in rec), default=0)
-            if last < at_step:
-                raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller --at_step or drop the run")
-            rec = [r for r in rec if r["step"] <= at_step]
-        runs.append((d, cfg, rec))
-    cfgs = [c for _, c, _ in runs if c is not None]
-    varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
-    groups = {}
-    for d, c, rec in runs:
-        label = os.path.basename(os.path.normpath(d)) if c is None else (
-            " ".join(f"--{k} {c.get(k)}" for k in varying) or "(one configuration)")
-        groups.setdefault(label, []).append((d, rec))
-    return groups
-
-
-def mean_curve(curves):
-    """Seeds' held-out curves [(step, minutes, success)] -> [(mean minutes, mean success)] at the steps every seed
-    evaluated (seeds run at different speeds, so steps, not minutes, line them up)."""
-    common = set.intersection(*[{st for st, _, _ in c} for c in curves])
-    out = []
-    for st in sorted(common):
-        pts = [next((m, y) for s2, m, y in c if s2 == st) for c in curves]
-        out.append((sum(m for m, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)))
-    return out
-
-
-def upper_median(xs):
-    """The middle value (the upper one of an even count: always a value that occurred); nan for none."""
-    return sorted(xs)[len(xs) // 2] if xs else float("nan")
-
-
-def summary(run_dirs, threshold=0.8, at_step=None):
-    """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
-    per group: seeds, steps, median seconds per step, median samples (trained calls) per step (the cost that does not
-    depend on the machine), the untrained model's held-out success (the step-0 evaluation),
-    final held-out success as mean [min-max] over seeds and its ratio to the untrained one, best, the
-    training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
-    (does it stay learned?). Labels are the config values that differ between the runs given. at_step: every
-    column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds, and the first
-    time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts)."""
-    groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
-    lines = [f"| configuration | seeds | steps | s/step | samples/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
-             f"| best (mean) | first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, recs in groups.items():
-        finals, bases, bests, firsts, lows, steps, sps, smp = [], [], [], [], [], [], [], []
-        for rec in recs:
-            ev = [(r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"]) for r in rec if "eval_success" in r]
-            finals.append(ev[-1][1] if ev else float("nan"))
-            bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
-            bests.append(max((y for _, y in ev), default=float("nan")))
-            hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
-            firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}" if at_step is None else str(ev[hit][0]))
-            lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
-            steps.append(max((r["step"] for r in rec), default=0))
-            sps.append(upper_median([r["t_step"] for r in rec if "t_step" in r]))
-            smp.append(upper_median([r["samples"] for r in rec if "samples" in r]))
-        n = len(recs)
-        base, final = sum(bases) / n, sum(finals) / n
-        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} | {base:.2f} | {final:.2f} "
-                     f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
-                     f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
-    return "\n".join(lines)
-
-
-# -----------------------------------------------------------------------------
 # command line
 
 
@@ -322,10 +171,6 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "compact": (None, "true/false: the compact game prompts; default: true for tiny models"),
     "max_new_tokens": (None, "response budget per call: the compact answer's length for tiny models (8; Sudoku 17), else 4096"),
     "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192"),
-    "plot": ([], "RUN_DIR ...: training curves of train.py runs into --out (default curves.png)"),
-    "summary": ([], "RUN_DIR ...: a multi-seed markdown table of train.py runs, grouped by configuration"),
-    "at_step": (None, "--summary / --plot: every run as of this step (step-matched; the runs' stop settings are then not configuration)"),
-    "x": ("minutes", "--plot: the x axis, minutes (wall clock) or steps"),
 }
 
 
@@ -344,14 +189,6 @@ def parse_args(argv):
         name, val = (argv[i][2:].split("=", 1) + [None])[:2] if argv[i].startswith("--") else (None, None)
         if name is None or name not in a:
             raise SystemExit(f"unknown argument {argv[i]!r}; flags: {', '.join('--' + k for k in a)}")
-        if name in ("plot", "summary"):  # take every following non-flag argument
-            j = i + 1
-            vals = [val] if val else []
-            while j < len(argv) and not argv[j].startswith("--"):
-                vals.append(argv[j])
-                j += 1
-            a[name], i = vals, j
-            continue
         if val is None:
             if i + 1 >= len(argv):
                 raise SystemExit(f"--{name} needs a value")
@@ -366,16 +203,9 @@ def parse_args(argv):
 
 def main(argv):
     a = parse_args(argv)
-    at_step = None if a["at_step"] is None else int(a["at_step"])
-    if a["plot"]:
-        print(plot(a["plot"], a["out"] or "curves.png", x=a["x"], at_step=at_step))
-        return None
-    if a["summary"]:
-        print(summary(a["summary"], at_step=at_step))
-        return None
     task, workflow = a["task"], a["workflow"]
     if task is None:
-        raise SystemExit("--task is required (plan, sokoban, sudoku, code, math), or --plot RUN_DIR ...")
+        raise SystemExit("--task is required (plan, sokoban, sudoku, code, math); tables and plots of training runs: tools/runs.py")
     try:
         E.check_task(task, workflow)
     except ValueError as e:
@@ -409,14 +239,14 @@ def main(argv):
     cfg = json.load(open(os.path.join(next(iter(paths.values())), "config.json")))
     tiny = cfg.get("vocab_size", 0) < 1000
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
-    import train as T  # train.py's defaults for this model size: the answer budget and the games' test set
-    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, T.DEFAULTS["tiny"]["max_new_tokens"]) if tiny else 4096))
+    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, 8) if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
-    n_games = T.DEFAULTS["tiny" if tiny else "real"]["eval_n"]
+    n_games = 200 if tiny else 100  # train.py's --eval_n of its tiny and paper presets
     test_envs = E.test_set(task, n=n_games, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
 
     from transformers import AutoTokenizer
-    from rollout import Agents, make_engine
+    from policies import make_engine
+    from rollout import Agents
     uniq = sorted(set(paths.values()))
     engines = [make_engine(a["engine"], p, seed=0, max_len=int(a["max_model_len"] or (512 if tiny else max_new + 8192))) for p in uniq]
     agents = Agents(AutoTokenizer.from_pretrained(uniq[0]), engines, {r: uniq.index(p) for r, p in paths.items()},

@@ -25,8 +25,10 @@ For `grpo` the return of a sample is the sum of its own agent's per-call rewards
 included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
 not counted once per turn. One baseline across agents with different reward scales is exactly what Dr. MAS fixes.
 """
+import functools
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -103,6 +105,149 @@ def by_agent_turn(samples):
         acc[s.role].append(s.reward)
         acc[f"{s.role}@t{s.turn}"].append(s.reward)
     return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
+
+
+# -----------------------------------------------------------------------------
+# the training batch: samples -> mini-batches (one optimizer step each) -> rows -> micro-batches -> tensors
+
+
+@dataclass
+class Row:
+    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed (`--pack`): samples
+    that share a prompt (AT-GRPO's K siblings share it by construction) in one row: the prompt once, then each response
+    in its own segment, which sees the prompt and itself only, with positions that continue from the prompt's end, so
+    every response token has exactly the context it was sampled with and the prompt is trained once, not K times.
+    `sel` are the positions whose next-token distribution scores each target (the prompt's last position for every
+    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob)."""
+    ids: list
+    pos: list
+    seg: list  # 0: prompt; k + 1: response k (its last token is a target only, never an input)
+    sel: list
+    tgt: list
+    adv: list
+    slp: list
+    old: object = None  # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
+
+
+def make_rows(samples, pack):
+    groups = {}
+    for s in samples:
+        if s.response_ids:
+            groups.setdefault(tuple(s.prompt_ids) if pack else id(s), []).append(s)
+    rows = []
+    for g in groups.values():
+        p = len(g[0].prompt_ids)
+        r = Row(list(g[0].prompt_ids), list(range(p)), [0] * p, [], [], [], [])
+        for k, s in enumerate(g):
+            n, start = len(s.response_ids), len(r.ids)
+            r.ids += s.response_ids[:-1]
+            r.pos += range(p, p + n - 1)
+            r.seg += [k + 1] * (n - 1)
+            r.sel += [p - 1] + list(range(start, start + n - 1))
+            r.tgt += s.response_ids
+            r.adv += [s.adv] * n
+            r.slp += s.sampler_logprobs
+        rows.append(r)
+    return rows
+
+
+def split_minibatches(samples, n_mini, how):
+    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree group's K siblings
+    spread over the mini-batches and every step sees every env. groups: a group of samples that share a prompt
+    (AT-GRPO's K siblings) stays in one mini-batch, groups dealt round-robin; packing needs this (siblings must meet
+    in a row), and verl does the same in effect: its rollouts repeat each prompt's n responses contiguously
+    (`repeat(interleave=True)`) and its mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
+    if how == "strided":
+        return [samples[i::n_mini] for i in range(n_mini)]
+    groups = {}
+    for s in samples:
+        groups.setdefault(tuple(s.prompt_ids), []).append(s)
+    chunks = [[] for _ in range(n_mini)]
+    for i, g in enumerate(groups.values()):
+        chunks[i % n_mini] += g
+    return chunks
+
+
+def micro_batches(rows, budget, all_max=lambda n: n):
+    """Greedy packing of rows by padded token count, longest first; then padded with zero-weight DUMMY micro-batches
+    to the most any rank has (`all_max` over ranks): every rank runs the same number of FSDP forwards."""
+    rows = sorted(rows, key=lambda r: -len(r.ids))
+    out, cur = [], []
+    for r in rows:
+        if cur and (len(cur) + 1) * len(cur[0].ids) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    out += [cur] if cur else []
+    return out + [[DUMMY]] * (all_max(len(out)) - len(out))
+
+
+def collate(mb, device, flex=None):
+    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed
+    (`packed_mask`)."""
+    B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
+    packed = any(max(r.seg) > 1 for r in mb)
+    flex = packed and (device.type == "cuda" if flex is None else flex)
+    if flex:  # whole 128-blocks: below 128 query rows torch 2.11 lowers flex to its decoding kernel, which found no
+        T = -(-T // 128) * 128  # valid config for a GQA training batch (H100); 128 is flex's block size anyway
+    ids, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
+    sel, tgt = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
+    w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
+    old = torch.zeros(B, N) if mb[0].old is not None else None
+    for b, r in enumerate(mb):
+        ids[b, :len(r.ids)], pos[b, :len(r.ids)], seg[b, :len(r.ids)] = torch.tensor(r.ids), torch.tensor(r.pos), torch.tensor(r.seg)
+        n = len(r.tgt)
+        sel[b, :n], tgt[b, :n], w[b, :n] = torch.tensor(r.sel), torch.tensor(r.tgt), float(r is not DUMMY)
+        adv[b, :n], slp[b, :n] = torch.tensor(r.adv, dtype=torch.float32), torch.tensor(r.slp, dtype=torch.float32)
+        if old is not None:
+            old[b, :n] = r.old
+    attn = packed_mask(seg, device, flex) if packed else None
+    dev = [x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp)]
+    return Batch(*dev[:3], attn, *dev[3:], None if old is None else old.to(device))
+
+
+@functools.cache
+def _block_mask_builder(compiled):
+    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T grid; compiled, it
+    works block by block (torchtitan `torchtitan/models/attention.py` compiles it for the same reason). CPU tests
+    run it eagerly."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask) if compiled else create_block_mask
+
+
+def packed_mask(seg, device, flex):
+    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key is visible if it is
+    in the prompt or in the query's own segment (a pad query sees the pads before it, so no row is empty).
+    On CUDA a flex-attention BlockMask: it stores which 128x128 blocks are empty, full or partial, so at the paper's
+    lengths (~1k prompt + K x 2k) the kernel skips the siblings' blocks and no dense mask exists (a dense bool one
+    would be 81 MB per row). On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB
+    per row at the CPU default's ~100 tokens."""
+    T = seg.shape[1]
+    if flex:
+        sg = seg.to(device)
+
+        def visible(b, h, q, k):
+            return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
+        return _block_mask_builder(torch.device(device).type == "cuda")(visible, seg.shape[0], None, T, T, device=device)
+    i = torch.arange(T)
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    pos: torch.Tensor
+    sel: torch.Tensor
+    attn: object  # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
+    tgt: torch.Tensor
+    w: torch.Tensor    # 1 for a real target, 0 for padding
+    adv: torch.Tensor
+    slp: torch.Tensor
+    old: object  # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+
+
+DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row: keeps every rank's FSDP collectives in step
 
 
 # -----------------------------------------------------------------------------

@@ -183,3 +183,46 @@ def format_table(res, title):
     if res["fix"]:
         lines.append("fix: " + res["fix"])
     return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# a run's plan: train.py's --dry_run, and the refusal of a GPU run that cannot fit
+
+
+def plan_for(cfg, world, gpu_gb):
+    """The plan of train.py's configuration, for the largest base with every policy at that size (an upper bound
+    when bases differ per role)."""
+    import policies as P
+    pols, _ = P.resolve(cfg)
+    mc = max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
+    lora = cfg["policies"] == "lora"
+    return plan(mc, world=world, gpu_gb=gpu_gb, n_policies=len(pols),
+                micro_batch_tokens=max(p.micro_batch_tokens for p in pols), grad_checkpoint=cfg["grad_checkpoint"],
+                engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
+                rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
+                entropy=cfg["entropy_coef"] > 0, pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0)
+
+
+def print_plan(cfg):
+    """--dry_run: the table; returns the exit status (0 if it fits)."""
+    import os
+    world = cfg["world"] or int(os.environ.get("WORLD_SIZE", "1"))
+    gpu_gb = cfg["gpu_gb"] or 80.0
+    res = plan_for(cfg, world, gpu_gb)
+    title = (f"memory plan: --model {cfg['model'] or 'tiny'} --policies {cfg['policies']} --world {world} --gpu_gb {gpu_gb:g} "
+             f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {str(cfg['grad_checkpoint']).lower()} "
+             f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}")
+    print(format_table(res, title))
+    return 0 if res["fits"] else 1
+
+
+def refuse_if_too_big(cfg):
+    """A GPU run whose planned memory does not fit stops here, before anything loads, with the flag to change."""
+    import os
+    import torch
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu_gb = cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2 ** 30
+    res = plan_for(cfg, world, gpu_gb)
+    if not res["fits"]:
+        raise SystemExit(f"this configuration needs {res['peak']:.1f} GiB per GPU ({res['phase']}), more than the "
+                         f"{res['limit']:.1f} GiB usable: {res['fix']} (see: python train.py --dry_run ...)")

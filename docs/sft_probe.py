@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs as E  # noqa: E402
 import model as M  # noqa: E402
-import train as T  # noqa: E402
+import tiny as T  # noqa: E402
 from rollout import Agents  # noqa: E402
 
 

@@ -31,7 +31,8 @@ def table(envs, solved):
 def main(path, n=200):
     from transformers import AutoTokenizer
     from eval import evaluate
-    from rollout import Agents, make_engine
+    from policies import make_engine
+    from rollout import Agents
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
     envs = E.test_set("sokoban", n=n, compact=True, workflow="mas")

@@ -39,7 +39,8 @@ def cell_counts(env, answer):
 
 def main(path, n=200):
     from transformers import AutoTokenizer
-    from rollout import Agents, make_engine
+    from policies import make_engine
+    from rollout import Agents
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
     sp = dict(temperature=0.0, top_p=1.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sudoku"])

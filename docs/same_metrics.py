@@ -1,0 +1,100 @@
+"""Show that a refactor changed no behaviour: run the same short trainings at two commits and compare their
+metrics.jsonl field by field (every field but the timings). Runs are exactly reproducible on one machine, so any
+difference in success, rewards, loss, clip fraction, grad norm, |dlogp| or an evaluation is a behaviour change.
+
+    python docs/same_metrics.py OLD NEW                       # commits (or "worktree" for the uncommitted files)
+    python docs/same_metrics.py 21a8b2f worktree --configs default,grpo --steps 20
+
+Each commit is checked out (git worktree) under --work; its runs and its tiny base live there, so the base is rebuilt
+by each commit's own code (a change in the base's birth shows up too). The runs go one after another: torch's CPU
+kernels may round differently when two runs share the cores."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {  # name: extra flags of `python train.py --steps N --stop_step N --time_limit_min 0`
+    "default": [],
+    "grpo": ["--algo", "grpo"],
+    "per_role": ["--policies", "per_role"],
+    "lora": ["--policies", "lora"],
+}
+TIMING = ("time", "eta")  # fields that are wall-clock; every t_* and mem_* field is one too
+
+
+def timing(key):
+    return key in TIMING or key.startswith("t_") or key.startswith("mem_")
+
+
+def checkout(commit, work):
+    """The commit's files in a folder of their own (the repository's own files for "worktree")."""
+    if commit == "worktree":
+        return ROOT
+    path = os.path.join(work, "src-" + commit)
+    if not os.path.exists(path):
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "--force", path, commit], check=True,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+def run(commit, config, steps, work, python):
+    src = checkout(commit, work)
+    out = os.path.join(work, f"runs-{commit}", config)
+    metrics = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(os.path.join(out, "done")):
+        cmd = [python, "train.py", "--steps", str(steps), "--stop_step", str(steps), "--time_limit_min", "0",
+               "--out_dir", out] + CONFIGS[config]
+        print(f"[{commit} {config}] {' '.join(cmd[1:])}", flush=True)
+        with open(os.path.join(work, f"log-{commit}-{config}.txt"), "w") as log:
+            subprocess.run(cmd, cwd=src, check=True, stdout=log, stderr=subprocess.STDOUT)
+        open(os.path.join(out, "done"), "w").close()
+    return [json.loads(line) for line in open(metrics)]
+
+
+def compare(a, b):
+    """Differences between two metrics logs: a list of 'step S field: A != B' lines ([] = identical)."""
+    diffs = []
+    if len(a) != len(b):
+        diffs.append(f"{len(a)} lines != {len(b)} lines")
+    for ra, rb in zip(a, b):
+        keys = sorted(k for k in set(ra) | set(rb) if not timing(k))
+        diffs += [f"step {ra.get('step')} {k}: {ra.get(k)!r} != {rb.get(k)!r}" for k in keys if ra.get(k) != rb.get(k)]
+    return diffs
+
+
+def main(argv):
+    flags = {"--configs": ",".join(CONFIGS), "--steps": "20", "--work": "/tmp/same_metrics",
+             "--python": os.path.join(ROOT, ".venv", "bin", "python")}
+    pos = []
+    while argv:
+        a = argv.pop(0)
+        if a in flags:
+            flags[a] = argv.pop(0)
+        elif a.startswith("--"):
+            raise SystemExit(f"unknown flag {a}; known: {', '.join(flags)}")
+        else:
+            pos.append(a)
+    if len(pos) != 2:
+        raise SystemExit(__doc__)
+    os.makedirs(flags["--work"], exist_ok=True)
+    if "worktree" in pos:  # files that change between calls: never reuse their runs (nor the tiny base beside them)
+        shutil.rmtree(os.path.join(flags["--work"], "runs-worktree"), ignore_errors=True)
+    bad = 0
+    for config in flags["--configs"].split(","):
+        if config not in CONFIGS:
+            raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
+        logs = [run(c, config, int(flags["--steps"]), flags["--work"], flags["--python"]) for c in pos]
+        diffs = compare(*logs)
+        fields = sorted({k for r in logs[0] for k in r if not timing(k)})
+        print(f"{config}: {len(logs[0])} rows x {len(fields)} non-timing fields: "
+              + ("identical" if not diffs else f"{len(diffs)} differences"), flush=True)
+        for d in diffs[:20]:
+            print("   ", d)
+        bad += bool(diffs)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

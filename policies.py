@@ -1,0 +1,280 @@
+"""
+Who the agents are: which roles share a policy, what each policy starts from and trains with, and the engines that
+sample for them. One table decides the role -> policy map (`resolve`):
+
+    --policies   roles that share one policy                  engines
+    shared       every role with the same base (the default)  one per distinct base
+    per_role     none: one policy per role                    one, the policies take turns in it (PolicySwitch)
+    per_type     a team's reasoners / tool agents / judge     one
+    lora         none: one adapter per role on one frozen base   one, each adapter merged in when its turn comes
+    --policy ROLE=PATH gives a role its own base model (different bases: one engine per base)
+"""
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+import common as C
+import envs as E
+import model as M
+from model import iter_hf_state
+from rollout import TorchEngine, VLLMEngine
+from scripted import ScriptedEngine
+
+TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
+PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
+
+
+@dataclass
+class Policy:
+    """One trained policy: the roles it plays, the base it starts from and its own training settings (Dr. MAS sets
+    lr and micro-batch per agent). Checkpoints: ckpt/policy-{name} (HF), ckpt/train-{name} (DCP), and with LoRA
+    ckpt/adapter-{name} (PEFT)."""
+    name: str                # its roles joined by "+", e.g. "tool+plan" for the shared policy of Plan-Path
+    roles: tuple
+    base: str                # a HF folder, or a tiny size (TINY_SIZES) for the embedded default
+    adapter: str             # --policies lora: this policy's adapter on the one shared base; "" = a full model
+    lr: float
+    micro_batch_tokens: int
+    minibatches: int
+
+
+def is_tiny(cfg):
+    """The embedded default: no --model and every --policy names a tiny size (a real path means a real run)."""
+    return not cfg["model"] and all(sp.split("=", 1)[-1] in TINY_SIZES for sp in cfg["policy"].split(",") if sp)
+
+
+def parse_team(cfg):
+    try:
+        return E.parse_team(cfg["team"], cfg["task"], cfg["workflow"])
+    except ValueError as e:
+        raise SystemExit(str(e))
+
+
+def task_roles(cfg):
+    team = parse_team(cfg)
+    if team:
+        return E.team_roles(*team)
+    return E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
+
+
+def per_role(cfg, key, roles, cast, default):
+    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6 (roles not named keep `default`) -> {role: value}."""
+    v = cfg[key]
+    if not isinstance(v, str):
+        return {r: v for r in roles}
+    out = {r: default for r in roles}
+    for item in v.split(","):
+        r, _, x = item.partition("=")
+        if r not in roles:
+            raise SystemExit(f"--{key} {v}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+        try:
+            out[r] = cast(x)
+        except ValueError:
+            raise SystemExit(f"--{key} {v}: {x!r} is not a {cast.__name__}")
+    return out
+
+
+def resolve(cfg):
+    """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and the per-role flags
+    (cfg["role_defaults"]: the value of a per-role flag for the roles it does not name). Every role/policy misuse
+    fails here, before anything loads. Returns ([Policy], {role: policy index})."""
+    roles = task_roles(cfg)
+    base = {r: cfg["model"] or "tiny" for r in roles}
+    for sp in filter(None, cfg["policy"].split(",")):
+        r, eq, path = sp.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
+        if r not in roles:
+            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+        if path not in TINY_SIZES and not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), nor one of {', '.join(TINY_SIZES)}")
+        base[r] = path
+    if not cfg["model"] and any(b in TINY_SIZES for b in base.values()) and not all(b in TINY_SIZES for b in base.values()):
+        raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model for the rest)")
+    settings = {k: per_role(cfg, k, roles, int if k != "lr" else float, cfg["role_defaults"][k]) for k in PER_ROLE}
+    for r in roles:
+        if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
+            raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
+    if cfg["policies"] == "lora":
+        if cfg["lora_rank"] <= 0:
+            raise SystemExit(f"--lora_rank must be >= 1, not {cfg['lora_rank']}")
+        if len(set(base.values())) > 1:
+            raise SystemExit("--policies lora puts every role's adapter on one base: drop --policy ROLE=PATH, or use "
+                             "--policies shared|per_role for different bases per role")
+    groups = {}  # the grouping key of the table above -> roles
+    for r in roles:
+        key = {"per_role": r, "lora": r, "per_type": (E.role_type(r), base[r])}.get(cfg["policies"], base[r])
+        groups.setdefault(key, []).append(r)
+    pols = []
+    for rs in groups.values():
+        vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}
+        for k, v in vals.items():
+            if len(v) > 1:
+                raise SystemExit(f"roles {', '.join(rs)} share one policy but --{k} gives them {sorted(v)}: give them one "
+                                 "value, or --policies per_role")
+        name = "+".join(rs)
+        pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
+                           **{k: vals[k].pop() for k in PER_ROLE}))
+    return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
+
+
+def model_config(cfg, base=None):
+    """The Qwen3 config of a base: a HF folder's config.json, or a named size (M.SIZES) for --dry_run."""
+    base = base or cfg["model"] or "tiny"
+    if base in M.SIZES and not os.path.exists(base):
+        return M.Qwen3Config(**M.SIZES[base])
+    with open(os.path.join(base, "config.json")) as f:
+        return M.Qwen3Config.from_hf(json.load(f))
+
+
+# -----------------------------------------------------------------------------
+# building the models, optimizers and engines
+
+
+def build(cfg, pols, bases, ckpt, rank, device):
+    """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and AdamW; the engine(s);
+    the optional frozen KL reference (sharded the same way). A fresh start loads the HF weights on the CPU and lets
+    fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards.
+    `bases`: policy index -> HF folder. LoRA: one model (the frozen base + every policy's adapter), listed once per
+    policy; each policy's AdamW holds only its own adapter."""
+    lora = cfg["policies"] == "lora"
+    models, opts, refs = [], [], []
+    shared = _make_model(cfg, bases[0], device, adapters=[p.adapter for p in pols]) if lora else None
+    for p, pol in enumerate(pols):  # LoRA resumes from the base + DCP adapters
+        m = shared or _make_model(cfg, os.path.join(ckpt, f"policy-{pol.name}") if cfg["resume"] else bases[p], device,
+                                  empty=cfg["resume"])
+        params = M.adapter_parameters(m, pol.adapter) if lora else m.parameters()
+        o = torch.optim.AdamW(params, lr=pol.lr, weight_decay=cfg["weight_decay"], betas=(0.9, 0.999))
+        if cfg["resume"]:
+            C.load_train_state(m, o, os.path.join(ckpt, f"train-{pol.name}"), frozen=not lora)
+        models.append(m)
+        opts.append(o)
+        refs.append(_make_model(cfg, bases[p], device, trainable=False).eval().requires_grad_(False)
+                    if cfg["kl_coef"] > 0 else None)
+    return models, opts, refs, build_engines(cfg, pols, models, bases, ckpt, rank)
+
+
+def _make_model(cfg, src, device, trainable=True, empty=False, adapters=()):
+    fsdp = C.OWN_GROUP
+    if empty:  # resume: the shapes only; the values come from this rank's DCP shards
+        with torch.device("meta"):
+            m = M.Qwen3(model_config(cfg, src))
+        m.to_empty(device="cpu" if fsdp else device)
+        if m.config.tie_word_embeddings:  # to_empty unties shared parameters
+            m.lm_head.weight = m.model.embed_tokens.weight
+    else:
+        m = M.load_model(src, dtype=torch.float32, device="cpu" if fsdp else device)
+    if adapters:
+        M.add_lora(m, adapters, cfg["lora_rank"], cfg["lora_alpha"], seed=cfg["seed"])
+    if fsdp:  # fully_shard moves each unit's shard of the CPU model to this rank's device
+        M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                compile=cfg["compile"])
+    else:
+        for layer in m.model.layers:
+            layer.checkpoint = cfg["grad_checkpoint"]
+            if cfg["compile"]:
+                layer.compile()
+    return m
+
+
+def build_engines(cfg, pols, models, bases, ckpt, rank):
+    """One engine per distinct base on each rank (vLLM: one sleep-mode engine per process is what is verified); the
+    policies of one base take turns in its engine (PolicySwitch), LoRA policies as merged weights."""
+    by_base = {}
+    for p in range(len(pols)):
+        by_base.setdefault(bases[p], []).append(p)
+    engines = [None] * len(pols)
+    for b, ps in by_base.items():
+        src = os.path.join(ckpt, f"policy-{pols[ps[0]].name}") if cfg["resume"] else b
+        eng = make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
+                          gpu_memory_utilization=cfg["gpu_memory_utilization"] / len(by_base), sleep_mode=True)
+        if len(ps) == 1:
+            engines[ps[0]] = eng
+            continue
+        switch = PolicySwitch(eng, len(ps))
+        for j, p in enumerate(ps):  # host copies of every policy's starting weights (a collective: all ranks, same order)
+            engines[p] = switch.view(j)
+            engines[p].sync(use_policy(models, pols, p))
+    return engines
+
+
+def use_policy(models, pols, p):
+    """The model of policy p, ready to run as that policy (LoRA: its adapter selected on the shared base)."""
+    if pols[p].adapter:
+        M.set_adapter(models[p], pols[p].adapter)
+    return models[p]
+
+
+def distinct_engines(engines):
+    """The engines themselves, each once (a PolicySwitch's views share one)."""
+    out = []
+    for e in engines:
+        e = e.switch.engine if hasattr(e, "switch") else e
+        if not any(e is x for x in out):
+            out.append(e)
+    return out
+
+
+def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False):
+    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without."""
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
+        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
+                          dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    if kind == "scripted":
+        return ScriptedEngine(model_dir, seed=seed, max_len=max_len)
+    if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
+        return TorchEngine(model_dir, seed=seed, max_len=max_len,
+                           dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    raise ValueError(f"unknown engine {kind!r}: use --engine vllm, torch or scripted")
+
+class PolicySwitch:
+    """Several policies served by one engine (per_role training): each policy's latest weights are kept on the host
+    (engine dtype), and before a call for another policy the engine's weights are swapped in. Storing is the only
+    collective (FSDP2 gathers, once per update, at the same point on every rank); a swap is a local host-to-engine
+    copy, so ranks whose episodes ended early and skip calls never stall the others. Cost: n_policies x 2 bytes/param
+    of host memory per rank, and one weight load per swap. Why one engine: vLLM allows one sleep-mode engine per
+    process, and two awake engines per GPU would take the memory the KV cache needs (see memory.py)."""
+
+    def __init__(self, engine, n_policies):
+        self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
+
+    def store(self, p, model):
+        self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, self.engine.dtype)]
+        if p == self.loaded:
+            self.engine.load(self.host[p])
+
+    def use(self, p):
+        if p != self.loaded:
+            self.engine.load(self.host[p])
+            self.loaded = p
+
+    def view(self, p):
+        return _PolicyView(self, p)
+
+
+class _PolicyView:
+    """The engine interface for one policy of a PolicySwitch."""
+
+    def __init__(self, switch, p):
+        self.switch, self.p = switch, p
+
+    def generate(self, *args, **kw):
+        self.switch.use(self.p)
+        return self.switch.engine.generate(*args, **kw)
+
+    def sync(self, model):
+        self.switch.store(self.p, model)
+
+    def sleep(self, level=2):
+        self.switch.engine.sleep(level)
+
+    def close(self):
+        self.switch.engine.close()
+
+

@@ -1,0 +1,147 @@
+"""
+A scripted policy in place of a model, for tests, `python bench.py env` and `train.py --engine scripted`: it drives
+the rollouts through code and math end to end with answers a tiny model could never write (right ones, wrong ones,
+programs that loop forever, hostile programs).
+"""
+import json
+
+from model import iter_hf_state
+from rollout import Completion, Engine, _stop_ids
+
+
+class ScriptedEngine(Engine):
+    """A scripted policy in place of a model: each answer is `script(prompt_text, rng)`, tokenized with the model
+    folder's tokenizer; the log-probs are placeholders (0.0). It lets tests and `python bench.py env` drive
+    tree_rollout, plain_rollout and `train.py --engine scripted` through code and math end to end, with answers a
+    tiny model could never write. Reproducible: the rng is seeded from the engine seed and the call seed."""
+
+    def __init__(self, model_dir, seed=0, max_len=2048, script=None):
+        from transformers import AutoTokenizer
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.max_len, self.seed, self.calls = max_len, seed, 0
+        self.script = script or DefaultScript()
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
+        import random
+        rng = random.Random(f"{self.seed}-{self.calls if seed is None else seed}")
+        self.calls += 1
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p, skip_special_tokens=False)
+            row = []
+            for _ in range(n):
+                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[:max(0, max_new_tokens - 1)] + [self.eos]
+                row.append(Completion(ids, [0.0] * len(ids)))
+            out.append(row)
+        return out
+
+    def load(self, weights):
+        for _ in weights:  # consumed: under FSDP2 each tensor is a collective every rank takes part in
+            pass
+
+    def sync(self, model):
+        self.load(iter_hf_state(model))
+
+
+class DefaultScript:
+    """Answers any task's prompt from the task's own data, by role (read from the system prompt):
+      coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
+      tester     the row's first ground-truth tests as cases
+      math tool  a program printing the answer (sometimes importing sympy first, as tool agents do)
+      reasoner   a short derivation ending in \\boxed{answer} (a team's judge answers the same way)
+      games      a random move list in the answer format
+    and, with the given probabilities, a wrong answer, a program that loops forever, or a hostile program."""
+
+    def __init__(self, p_wrong=0.3, p_loop=0.05, p_hostile=0.02):
+        self.p_wrong, self.p_loop, self.p_hostile = p_wrong, p_loop, p_hostile
+        self._rows = None
+
+    def rows(self):
+        if self._rows is None:  # the first 300 characters of every code/math question -> its rows
+            import envs as E
+            self._rows = {}
+            for task in ("code", "math"):
+                for split in ("train", "test"):
+                    for r in E.load_split(task, split):
+                        self._rows.setdefault(r["question"][:300], []).append(r)
+            self._key_lens = sorted({len(k) for k in self._rows}, reverse=True)
+        return self._rows
+
+    def _row(self, text):
+        """The row this prompt is about. The same statement can be in two datasets (LiveCodeBench takes LeetCode
+        problems): the prompt's answer format (assert lines, io cases, stdin) says which kind of row it is.
+        A question shorter than 300 characters is its whole key, so every key length is tried (longest first)."""
+        i = text.find("Problem:\n")
+        table = self.rows()
+        hits = next((table[text[i + 9:i + 9 + n]] for n in self._key_lens if text[i + 9:i + 9 + n] in table), []) if i >= 0 else []
+        rows = [r for r in hits if r["question"] in text]
+        if "assert line" in text:
+            rows = [r for r in rows if r.get("test_type") == "code"] or rows
+        elif "**Test Input:**" in text or "reads stdin" in text:
+            rows = [r for r in rows if r.get("test_type") != "code"] or rows
+        return rows[0] if rows else None
+
+    def __call__(self, text, rng):
+        role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
+                                      ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"),
+                                      ("You are the judge", "reasoner"))
+                     if key in text), "game")
+        u = rng.random()
+        if role in ("coder", "math_tool") and u < self.p_loop:
+            return "```python\nwhile True:\n    pass\n```"
+        if role in ("coder", "math_tool") and u < self.p_loop + self.p_hostile:
+            return "```python\nimport os\nprint(open('/etc/hostname').read())\nos.remove('/tmp/x')\n```"
+        wrong = u > 1 - self.p_wrong
+        row = self._row(text)
+        if role == "game":
+            moves = [rng.choice("UDLR") for _ in range(rng.randint(1, 6))]
+            return f"```python\nprint({moves!r})\n```" if "tool agent" in text else f"#### {json.dumps(moves)}"
+        if row is None:
+            return "I do not know."
+        if role == "reasoner":
+            ans = "0" if (wrong and row["answer"].strip() != "0") else row["answer"]
+            return f"Working it out step by step gives \\boxed{{{'1' if wrong and ans == row['answer'] else ans}}}."
+        if role == "math_tool":
+            ans = "-1" if wrong else row["answer"]
+            pre = "import sympy\n" if rng.random() < 0.25 else ""
+            return f"```python\n{pre}print({ans!r})\n```"
+        if role == "tester":
+            return _script_tests(row, wrong)
+        return "```python\n" + (_script_wrong(row) if wrong else _script_solution(row)) + "\n```"
+
+
+def _script_solution(row):
+    import envs as E
+    ref = E.reference_solution(row)
+    if ref:
+        return ref
+    if row["test_type"] == "functional":  # a table from the arguments to the expected value, in the starter's method
+        table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
+                 for t in row["tests"]}
+        return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
+                f"        return TABLE.get(json.dumps(list(args)))\n")
+    table = {t["input"].strip(): t["output"] for t in row["tests"]}
+    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read().strip(), ''))\n"
+
+
+def _script_wrong(row):
+    if row["test_type"] == "functional":
+        return f"class Solution:\n    def {row['entry_point']}(self, *args):\n        return None\n"
+    if row["test_type"] == "code":
+        return (row["starter_code"] or "") + "\n    pass\n" if row["starter_code"] else "pass\n"
+    return "print('wrong')\n"
+
+
+def _script_tests(row, wrong):
+    if row["test_type"] == "code":
+        lines = [ln.strip() for ln in row["test_code"].splitlines() if ln.strip().startswith("assert")][:3]
+        call = f"Solution().{row['entry_point']}" if row["source"] == "leetcode" else (row["entry_point"] or "candidate")
+        lines = [ln.replace("candidate", call) for ln in lines]
+        if wrong:
+            lines = [ln.rsplit("==", 1)[0] + "== 'not this'" if "==" in ln else ln for ln in lines]
+        return "```python\n" + "\n".join(lines) + "\n```"
+    cases = row["tests"][:3]
+    return "\n".join(f"**Test Input:**\n```\n{c['input']}\n```\n**Test Output:**\n```\n{'0' if wrong else c['output']}\n```"
+                     for c in cases)

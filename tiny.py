@@ -1,0 +1,113 @@
+"""
+The embedded default's base model: a random tiny Qwen3 (model.build_tiny: byte tokenizer, Qwen3 chat template)
+warmed up on the answer *format* only, the analogue of a real base model that knows how to answer but not how to
+solve. The warm-up trains on (observation, random well-formed answer) pairs; for Sokoban and Sudoku the random
+answers are legal moves in the room or grid shown, never solutions (why: docs/design.md, "The tiny default").
+The base is cached beside the run folder under a name that holds a hash of everything it was built from, so every
+ablation starts from the same weights and another setting is another folder.
+"""
+import hashlib
+import json
+import os
+import random
+import shutil
+
+import torch
+
+import envs as E
+import model as M
+from rollout import Agents
+
+TINY_VERSION = 1  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
+
+
+def base_path(cfg, size="tiny"):
+    """The cached base of this run's task, seed, size and warm-up settings, next to its out_dir."""
+    settings = dict(version=TINY_VERSION, task=cfg["task"], seed=cfg["seed"], size=size,
+                    warmup_steps=cfg["warmup_steps"], warmup_moves=cfg["warmup_moves"])
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}") + f"-{digest}"
+    return os.path.join(os.path.dirname(os.path.abspath(cfg["out_dir"])), name)
+
+
+def build_base(path, cfg, size="tiny"):
+    """Random tiny Qwen3 + tokenizer at `path`, then `warmup_steps` of SFT on random well-formed answers for the
+    compact task. Does nothing if `path` exists (the cache)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    task = cfg["task"]
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    m = M.build_tiny(tmp, seed=cfg["seed"], size=size)
+    if task in ("plan", "sokoban", "sudoku") and cfg["warmup_steps"] > 0:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tmp)
+        rng = random.Random(cfg["seed"])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+        agents = Agents(tok, [], {})
+        roles = E.TASKS[task]["roles"]
+        end = [tok.convert_tokens_to_ids("<|im_end|>")]
+        for it in range(cfg["warmup_steps"]):
+            batch = []
+            for _ in range(32):
+                env = E.train_env(task, rng, compact=True)
+                role = rng.choice(roles)
+                if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
+                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"], env))
+                p = agents.render(env.observe(role))
+                batch.append((p, tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + end))
+            loss = sft_step(m, opt, batch)
+            if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
+                print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss:.3f}", flush=True)
+        M.save_model(m, tmp)
+    json.dump({k: cfg[k] for k in ("task", "seed", "warmup_steps", "warmup_moves")} | {"size": size, "version": TINY_VERSION},
+              open(os.path.join(tmp, "warmup.json"), "w"))
+    os.replace(tmp, path)
+
+
+def random_answer(task, rng, max_moves=4, game=None):
+    """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves fills
+    (0 = "no answer"). Given the `game`, the answers are legal there: Sokoban's moves walk into no wall and push the
+    box into none; Sudoku's fills are random empty cells, each a random digit its row, column and box still allow
+    after the fills before it. That is the rules, as a real base model knows them, not the solution."""
+    if task == "sudoku":
+        cells = ["0"] * 16
+        if game is not None:
+            g = [row[:] for row in game.grid]
+            empty = [(r, c) for r in range(4) for c in range(4) if not g[r][c]]
+            for r, c in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
+                cand = [v for v in range(1, 5) if game.legal(g, r, c, v)]
+                if cand:
+                    g[r][c] = rng.choice(cand)
+                    cells[4 * r + c] = str(g[r][c])
+            return "".join(cells)
+        for i in rng.sample(range(16), rng.randint(1, max_moves)):
+            cells[i] = str(rng.randint(1, 4))
+        return "".join(cells)
+    if task == "sokoban" and game is not None:
+        state, out = (game.player, game.box), ""
+        for _ in range(rng.randint(1, max_moves)):
+            ok = {a: nxt for a in "UDLR" if (nxt := game.move(state, a))}
+            if not ok:
+                break
+            a = rng.choice(list(ok))
+            out, state = out + a, ok[a]
+        return out or rng.choice("UDLR")
+    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
+
+
+def sft_step(m, opt, batch):
+    """One supervised step on (prompt ids, answer ids) pairs: right-padded rows, the loss on the answers' tokens only.
+    The format warm-up's step (and docs/sft_probe.py's). Returns the loss."""
+    T = max(len(p) + len(a) for p, a in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    mask = torch.zeros(len(batch), T - 1)
+    for i, (p, a) in enumerate(batch):
+        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1:len(p) + len(a) - 1] = 1
+    lp = m(ids[:, :-1], targets=ids[:, 1:])
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
