@@ -1,5 +1,5 @@
 """
-The benchmarks behind the README's speed numbers (not tests: these machines are shared and noisy, so each number
+The benchmarks behind the speed numbers in docs/results.md (not tests: these machines are shared and noisy, so each number
 is a median over repeats, reported as a ratio against a reference measured in the same process where there is one).
 
     python bench.py model      # forward+backward: our Qwen3 vs transformers' on the same config and batch

@@ -107,7 +107,7 @@ def setup_dist(timeout_min=60.0):
 def close_dist():
     """Every rank passes a barrier, then the group goes. Without it a rank can reach interpreter shutdown while gloo's
     worker thread still frees its last collective, which aborts the process; the pause covers a thread descheduled
-    between completing that work and dropping it (docs/tests.md, "Multi-rank shutdown")."""
+    between completing that work and dropping it (docs/tests.md)."""
     global OWN_GROUP
     if dist.is_initialized():
         if dist.get_world_size() > 1:

@@ -333,7 +333,7 @@ class PlanPath(GridGame):
     def apply(self, actions):
         """Execute moves; per-move reward (SPEC §4): -0.01 valid / -0.10 invalid, shaping 0.99*phi' - phi with
         phi = -manhattan, +1 on reaching the goal, +0.5 more if the valid moves so far form a shortest path (the
-        reference counts every action instead: a documented difference, README)."""
+        reference counts every action instead: a documented difference, docs/design.md)."""
         total, invalid = 0.0, 0
         for a in actions:
             if self.pos == self.goal:
@@ -388,9 +388,7 @@ class Sokoban(GridGame):
         the box, and what each move meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a
         wall), e.g. '+1+3 +0-2 U#D.L#R.'. The push spot is the cell behind the box, away from the goal along the
         goal's longer offset (ties: rows), so "walk to the spot, then push along that offset" is Plan-Path's "walk
-        along the offset" twice: read from this line alone it solves 0.875 of the test rooms within the 4 turns,
-        against 0.34 when the first offset is the box's (test_all.py; README, Results). Same information as the
-        room, in a form a tiny model learns from in minutes."""
+        along the offset" twice. Same information as the room, in a form a tiny model learns from (docs/design.md)."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
         if abs(gr - br) >= abs(gc - bc):  # the push's direction, one step along the goal's longer offset
             push = ((gr > br) - (gr < br), 0)

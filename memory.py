@@ -6,8 +6,8 @@ Per-rank GPU memory of a training run, computed from the configuration alone, be
 A real GPU run calls the same `plan` first and refuses a configuration that cannot fit, naming the flag to change.
 Why a separate file: the arithmetic is one concept (what lives on the GPU in each phase of a step), it is long,
 and train.py should read as the training loop. The formulas are checked against memory measured on CPU for small
-random models in test_all.py (states exactly, activations within 20%), and against a real step on an H100 in the
-README.
+random models in test_all.py (states exactly, activations within 20%), and against a real step on an H100 in
+docs/gpu.md.
 
 What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute, fp32 master weights):
   rollout     FSDP2 states of every policy (fp32 params + grads + AdamW m, v = 16 N / W bytes) + the engine awake
@@ -220,6 +220,8 @@ def refuse_if_too_big(cfg):
     """A GPU run whose planned memory does not fit stops here, before anything loads, with the flag to change."""
     import os
     import torch
+    if not torch.cuda.is_available():
+        return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     gpu_gb = cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2 ** 30
     res = plan_for(cfg, world, gpu_gb)

@@ -304,7 +304,7 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
         # CPU backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls,
-        # the LD_PRELOAD advice measured in README "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
+        # the LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
         # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
         # "vllm" logger here covers what it logs while being imported, before that.
         self.cuda = torch.cuda.is_available()

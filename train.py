@@ -314,6 +314,10 @@ def setup(cfg, rank, world, master):
     import tiny
     from eval import evaluate
     from transformers import AutoTokenizer
+    if master:
+        print("config: preset " + cfg["preset"] + "; " + ", ".join(f"{k} {cfg[k]}" for k in PRESETS), flush=True)
+    if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
+        print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
     pols, role_to_policy = P.resolve(cfg)
     bases = [tiny.base_path(cfg, p.base) for p in pols] if P.is_tiny(cfg) else [p.base for p in pols]
     if P.is_tiny(cfg):
@@ -362,20 +366,13 @@ def setup(cfg, rank, world, master):
 
 
 def main(argv):
+    import memory
     cfg = configure(argv)
     if cfg["dry_run"]:
-        import memory
         raise SystemExit(memory.print_plan(cfg))
-    if torch.cuda.is_available():
-        import memory
-        memory.refuse_if_too_big(cfg)
+    memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
-    master = rank == 0
-    if master:
-        print("config: preset " + cfg["preset"] + "; " + ", ".join(f"{k} {cfg[k]}" for k in PRESETS), flush=True)
-    if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
-        print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
-    S = setup(cfg, rank, world, master)
+    S = setup(cfg, rank, world, master := rank == 0)
     pols, models, opts, engines, agents = S["pols"], S["models"], S["opts"], S["engines"], S["agents"]
     roles = P.task_roles(cfg)
     sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
@@ -440,16 +437,25 @@ def main(argv):
             rec.update(eval_success=r["accuracy"], eval_ci=r["ci"])
         S["log"](rec)
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
-            for e in P.distinct_engines(engines):
-                e.sleep(level=1)  # CUDA: weights parked on the host while the checkpoint gathers, back on wake
-            C.save_checkpoint(cfg["out_dir"], last, models, opts, pols, S["tok"], rank, os.path.join(cfg["out_dir"], "metrics.jsonl"),
-                              None if P.is_tiny(cfg) else torch.bfloat16, time.time() - t_start)
+            save(cfg, S, last, rank, time.time() - t_start)
         C.cuda_peak_gib()
         if out_of_time and master:
             print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
         if final:
             break
-    for e in P.distinct_engines(engines):  # engines first: vLLM's own process groups go before the default group
+    teardown(S)
+
+
+def save(cfg, S, step, rank, elapsed):
+    """A checkpoint after `step` (CUDA: the engines park their weights on the host while it gathers)."""
+    for e in P.distinct_engines(S["engines"]):
+        e.sleep(level=1)
+    C.save_checkpoint(cfg["out_dir"], step, S["models"], S["opts"], S["pols"], S["tok"], rank,
+                      os.path.join(cfg["out_dir"], "metrics.jsonl"), None if P.is_tiny(cfg) else torch.bfloat16, elapsed)
+
+
+def teardown(S):
+    for e in P.distinct_engines(S["engines"]):  # engines first: vLLM's own process groups go before the default group
         e.close()
     if S["wb"] is not None:
         S["wb"].finish()
