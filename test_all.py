@@ -394,7 +394,7 @@ def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
 FSDP_WORKER = r'''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
-import model as M, train as T
+import common as C, model as M, train as T
 from rollout import TorchEngine
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -491,7 +491,7 @@ def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
 SYNC_WORKER = r"""
 import gc, json, os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
-import model as M, train as T
+import common as C, model as M, train as T
 from rollout import TorchEngine
 dist.init_process_group("gloo")
 m = M.shard(M.load_model(os.environ["MODEL"]))
@@ -2445,7 +2445,7 @@ def _run(args, timeout=600, env_extra=None, merge=False):
 DIST_WORKER = r'''
 import json, os, random, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
-import model as M, train as T
+import common as C, model as M, train as T
 from rollout import Sample
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
@@ -2465,7 +2465,8 @@ if world > 1:
     M.shard(m)
 opt = torch.optim.SGD(m.parameters(), lr=1.0)  # w_after = w - clipped grad: compares gradients exactly (Adam's
 cfg = T.configure([])    # first step ~ lr*sign(g) would amplify rounding noise near g = 0)
-cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=os.environ.get("PACK") == "1")  # small budget: several micro-batches
+pack = os.environ.get("PACK") == "1"
+cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=pack, split="groups" if pack else "strided")  # small budget: several micro-batches
 st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
 loss = C.all_sum([st["loss"], st["tokens"]])
 state = M.hf_state_dict(m)
@@ -2478,7 +2479,7 @@ C.close_dist()
 STOP_WORKER = r'''
 import os, sys, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
-import train as T
+import common as C, train as T
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = {"time_limit_min": 1.0}
