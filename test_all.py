@@ -1864,7 +1864,7 @@ def test_packed_rows_equal_per_sample_rows(seed):
     # isolation: change one sibling's response; every other sibling's log-probs stay put
     grp = next(r for r in packed if max(r.seg) >= 2 and any(r.seg.count(k) for k in range(1, max(r.seg) + 1)))
     k = next(k for k in range(1, max(grp.seg) + 1) if grp.seg.count(k))  # a sibling with at least 2 tokens
-    changed = G.Row(**{f: list(v) for f, v in vars(grp).items()})
+    changed = G.Row(**{f: list(v) if isinstance(v, list) else v for f, v in vars(grp).items()})
     for j, sg in enumerate(changed.seg):
         if sg == k:
             changed.ids[j] = (changed.ids[j] + 7) % min(250, mc.vocab_size)
