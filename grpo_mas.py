@@ -253,6 +253,8 @@ DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row
 # -----------------------------------------------------------------------------
 # the PPO-clip loss
 
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| above this is clamped (verl `verl/trainer/ppo/core_algos.py`: [-20, 20])
+
 
 def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0,
              sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
@@ -272,7 +274,9 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     loss minus `entropy_coeff` x the aggregated entropy). It keeps the sampler's siblings diverse where the policy would
     otherwise turn deterministic (identical siblings = a zero-variance group, no signal)."""
     adv = adv if adv.dim() == 2 else adv[:, None]
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp
+    clamped = log_ratio.detach().abs() > LOG_RATIO_CLAMP
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # verl clamps it: one overflow never NaNs a step
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
     pg = torch.maximum(pg1, pg2)
@@ -283,7 +287,7 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     tok = pg
     kl = torch.zeros_like(logp)
     if ref_logp is not None:  # k3 estimator of KL(pi || ref): exp(r) - r - 1 >= 0, r = ref - logp
-        r = ref_logp - logp
+        r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl = torch.exp(r) - r - 1
         tok = tok + kl_coef * kl
     if entropy is not None and entropy_coef:
@@ -293,5 +297,6 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     with torch.no_grad():
         clipped = ((pg2 > pg1) & (m > 0)).float().sum()
         stats = {"clip_tokens": clipped.item(), "kl_sum": (kl * m).sum().item(), "tokens": m.sum().item(),
+                 "clamped_tokens": (clamped & (m > 0)).float().sum().item(),
                  "entropy_sum": (entropy * m).sum().item() if entropy is not None else 0.0}
     return loss, stats

@@ -68,7 +68,7 @@ import resource, os
 _mem, _cpu, _out = (int(x) for x in os.environ.pop("SANDBOX_LIMITS").split(","))
 resource.setrlimit(resource.RLIMIT_AS, (_mem << 20, _mem << 20))
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # stdout/stderr are files: caps output
+resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # files it writes (stdout/stderr are pipes: never capped)
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 if os.getuid() != 0:
     resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
@@ -192,6 +192,48 @@ def _kill_marked(marker):
             pass
 
 
+class _Kept:
+    """A program's output stream, drained as it comes (a program never blocks or fails for printing a lot): the first
+    `limit` bytes and the last 64 KiB are kept, what lies between is counted and dropped (nothing goes to disk)."""
+
+    def __init__(self, pipe, limit, tail=1 << 16):
+        self.head, self.tail, self.dropped, self.limit, self.tail_max = bytearray(), bytearray(), 0, limit, tail
+        self.thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _drain(self, pipe):
+        try:
+            while chunk := pipe.read1(1 << 16) if hasattr(pipe, "read1") else pipe.read(1 << 16):
+                room = self.limit - len(self.head)
+                self.head += chunk[:max(0, room)]
+                self.tail += chunk[max(0, room):]
+                if len(self.tail) > self.tail_max:
+                    self.dropped += len(self.tail) - self.tail_max
+                    del self.tail[:len(self.tail) - self.tail_max]
+        except (OSError, ValueError):
+            pass
+        finally:
+            pipe.close()
+
+    def text(self):
+        self.thread.join(timeout=5)
+        cut = f"\n...({self.dropped} bytes not kept)...\n" if self.dropped else ""
+        return (bytes(self.head).decode("utf-8", errors="replace") + cut
+                + bytes(self.tail).decode("utf-8", errors="replace"))
+
+
+def _feed(pipe, data):
+    try:
+        pipe.write(data)
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+
 def _run(code, stdin, timeout, mem_mb, out_bytes):
     work = tempfile.mkdtemp(prefix="sbx_")
     marker = uuid.uuid4().hex
@@ -213,32 +255,23 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
             exe, libs = _python()
             env.update(HOME=work, TMPDIR=work, SANDBOX_SITE=":".join(libs))
             argv, popen_env = [exe, "-I", "_guard.py"], env
-        out_f, err_f = open(os.path.join(work, ".out"), "wb"), open(os.path.join(work, ".err"), "wb")
         timed_out = False
+        p = subprocess.Popen(argv, cwd=work, env=popen_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)  # own group: killed whole on timeout
+        out, err = _Kept(p.stdout, out_bytes), _Kept(p.stderr, out_bytes)
+        threading.Thread(target=_feed, args=(p.stdin, stdin.encode("utf-8", errors="replace")), daemon=True).start()
         try:
-            p = subprocess.Popen(argv, cwd=work, env=popen_env, stdin=subprocess.PIPE, stdout=out_f, stderr=err_f,
-                                 start_new_session=True)  # own group: killed whole on timeout
-            try:
-                p.communicate(stdin.encode("utf-8", errors="replace"), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            except (BrokenPipeError, OSError):
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the group, also when the program itself ended (stray children)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
-        finally:
-            out_f.close()
-            err_f.close()
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the group, also when the program itself ended (stray children)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
         _kill_marked(marker)
-
-        def read(name):
-            with open(os.path.join(work, name), "rb") as f:
-                return f.read(out_bytes).decode("utf-8", errors="replace")
         rc = p.returncode
-        return RunResult(ok=(rc == 0 and not timed_out), stdout=read(".out"), stderr=read(".err")[-4000:], returncode=rc,
+        return RunResult(ok=(rc == 0 and not timed_out), stdout=out.text(), stderr=err.text()[-4000:], returncode=rc,
                          timed_out=timed_out, seconds=time.time() - t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)

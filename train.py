@@ -203,7 +203,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     samples = [s for s in samples if s.response_ids]
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, cfg["minibatches"], cfg["split"])]
     rows = [r for c in chunks for r in c]
-    stats = dict(loss=0.0, clip_tokens=0.0, tokens=0.0, dlogp=0.0, kl_sum=0.0, entropy_sum=0.0, grad_norm=0.0,
+    stats = dict(loss=0.0, clip_tokens=0.0, tokens=0.0, clamped_tokens=0.0, dlogp=0.0, kl_sum=0.0, entropy_sum=0.0, grad_norm=0.0,
                  rows=len(rows), trained_tokens=float(sum(len(r.ids) for r in rows)))
     if cfg["minibatches"] > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
@@ -271,10 +271,12 @@ def step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master):
     for k in ("zero_var_frac", "group_size"):
         rec[k] = sum(x["diag"][k] for x in allr) / world
     for p, st in enumerate(pstats):
-        tot = C.all_sum([st["clip_tokens"], st["tokens"], st["dlogp"], st["kl_sum"], st["trained_tokens"], st["entropy_sum"]])
+        tot = C.all_sum([st["clip_tokens"], st["tokens"], st["dlogp"], st["kl_sum"], st["trained_tokens"], st["entropy_sum"],
+                         st["clamped_tokens"]])
         rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
         rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
         rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
+        rec[f"clamped_p{p}"] = int(tot[6])  # tokens whose log-ratio hit the clamp (a broken sync or an overflow)
         prev = sorted(dlogp_hist[p][-10:])
         rec[f"dlogp_jump_p{p}"] = bool(prev) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * prev[len(prev) // 2])
         dlogp_hist[p].append(rec[f"dlogp_p{p}"])
