@@ -881,6 +881,7 @@ def reference_solution(row):
 
 
 MAX_MISMATCHES = 3  # failing tester cases shown to both agents next turn
+MAX_EARLIER = 2     # earlier programs (before the current one) shown with their mismatches: the prompt budget
 
 
 class CodeEnv:
@@ -894,12 +895,14 @@ class CodeEnv:
         self.gt = row["tests"][:train_tests] if (train_tests and row["test_type"] != "code") else row["tests"]
         self.turn, self.done, self.success = 0, False, False
         self.code, self.tests, self.history = None, [], []
+        self.attempts = []  # (code, its mismatches) of every turn so far: the history both agents see
         self.pending, self.format_ok = {}, True
         self.pass_rate = 0.0
 
     def clone(self):
         new = copy.copy(self)
         new.pending, new.history, new.tests = dict(self.pending), list(self.history), list(self.tests)
+        new.attempts = list(self.attempts)
         return new
 
     def observe(self, role):
@@ -909,6 +912,9 @@ class CodeEnv:
         if row["starter_code"] and row["starter_code"] not in row["question"]:
             task += f"\n\nStarter code:\n```python\n{row['starter_code']}\n```"
         if self.turn > 0:
+            for code, mism in self.attempts[:-1][-MAX_EARLIER:]:  # as the reference: past programs too
+                task += f"\n\nAn earlier attempt:\n```python\n{_clip_mid(code or '', 1500)}\n```"
+                task += ("\nIts mismatches: " + "; ".join(mism)) if mism else ""
             task += f"\n\nCurrent code:\n```python\n{(self.code or '')[:4000]}\n```"
             if self.history:
                 task += "\nMismatches on the tester's cases (input / expected / actual):\n" + "\n".join(self.history)
@@ -972,6 +978,8 @@ class CodeEnv:
             agree = self._agree(self.code, self.tests)
             self.history = self._mism[:MAX_MISMATCHES]
             self.done = agree == 1.0
+        if self.code:
+            self.attempts.append((self.code, list(self.history)))
         self.success = self.pass_rate == 1.0
         if len(self.roles) == 1:
             self.done = True  # single agent: one turn

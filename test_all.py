@@ -1651,6 +1651,12 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
     assert env.history == ["input: '2 5\\n' | expected: '7\\n' | actual: '10\\n'"]
     prompt = env.observe("tester")[-1]["content"]
     assert "expected: '7\\n'" in prompt and "actual: '10\\n'" in prompt
+    # the next turn's program replaces it; both agents still see the earlier program and what it got wrong
+    env.step("coder", "```python\na, b = map(int, input().split())\nprint(a - b)\n```")
+    env.end_turn()
+    prompt = env.observe("coder")[-1]["content"]
+    assert "An earlier attempt:" in prompt and "print(a * b if a > 1 else a + b)" in prompt and "actual: '10\\n'" in prompt
+    assert prompt.index("print(a * b") < prompt.index("Current code:") < prompt.index("print(a - b)")
     # functional (LiveCodeBench): the error is what the agents see when the code crashes
     fn = next(r for r in E.load_jsonl(os.path.join(E.DATA, "code/train/livecodebench_v5_2305_2407_public.jsonl"))
               if r["test_type"] == "functional")
