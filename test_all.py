@@ -1455,7 +1455,7 @@ def test_sandbox_contains_misbehaving_programs():
     for name, r in zip(MISBEHAVE, results):
         assert not r.ok, name
         assert r.seconds < timeout + 1.5, (name, r.seconds)
-        assert len(r.stdout) <= 1 << 20, name
+        assert len(r.stdout) <= (1 << 20) + (1 << 16) + 100, name  # the head and the tail, never all of it
     assert wall < timeout + 4
     time.sleep(0.2)
     assert _sandbox_procs() == []  # nothing of theirs survives
@@ -1544,6 +1544,7 @@ def test_sandbox_parallel_runs_overlap():
 # code: shipped reference solutions pass, wrong programs do not; tester cases checked against the reference
 
 
+@pytest.mark.slow
 def test_reference_solutions_pass_their_tests():
     rows = []
     for f in ("code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl",
@@ -2243,6 +2244,7 @@ def test_policy_switch_over_the_scripted_engine(tiny_dir):
     assert len(sw.view(1).generate([[257, 65]], n=2, max_new_tokens=4)[0]) == 2
 
 
+@pytest.mark.slow
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
     """Code, math, and a math team of 2 + 2 + 1 (one turn) driven by the scripted policy: its answers are right 70% of
     the time, so every role (the judge too) earns reward."""
@@ -2283,6 +2285,7 @@ SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--
          "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", list(E.TASKS))
 def test_train_smoke_every_combination(task, tmp_path):
     import train as T
@@ -2640,6 +2643,7 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, pac
         assert (one["state"][k] - two["state"][k]).abs().max() < tol, k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policies", ["shared", "lora"])
 def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
     """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
@@ -2664,6 +2668,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_vllm_ends_cleanly(tmp_path):
     """The default engine under torchrun: trains, exits 0 and prints no traceback at exit (the engines shut down
     before the process group; the other order made vLLM's cleanup fail with 'Invalid process group specified')."""
@@ -2694,6 +2699,7 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch):
     assert not any(r["dlogp_jump_p0"] for r in a) and b[1]["dlogp_jump_p0"]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
     Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons)."""
@@ -2808,6 +2814,7 @@ def test_eval_bad_input_fails_before_loading(tmp_path, tiny_dir):
             V.main(argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["code", "math"])
 def test_every_shipped_test_set_runs(task, tiny_dir, torch_agents):
     for f in E.TASKS[task]["test"]:
@@ -2876,6 +2883,7 @@ def test_plot_from_metrics(tmp_path):
         RUNS.plot([str(tmp_path / "a")], str(tmp_path / "e.png"), x="step")
 
 
+@pytest.mark.slow
 def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     """30 steps of the real default path (vLLM engine, AT-GRPO, compact Plan-Path): held-out greedy success beats
     the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation. Between the
