@@ -117,6 +117,10 @@ def close_dist():
     OWN_GROUP = False
 
 
+def world_size():
+    return dist.get_world_size() if OWN_GROUP else 1
+
+
 def all_sum(x):
     """Elementwise sum of a list of floats over ranks (a tensor on DEVICE: NCCL rejects CPU tensors)."""
     if not dist.is_initialized():

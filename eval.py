@@ -165,6 +165,7 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "split": ("test", "only the test split is evaluated here"),
     "limit": (None, "evaluate the first N instances only (default: all; games: 200 test seeds for tiny models, as train.py, else 100)"),
     "turns": (4, "max turns per episode"),
+    "thinking": ("false", "true: Qwen3's chat-template thinking on (as the run was trained; train.py --thinking)"),
     "engine": ("vllm", "vllm | torch (the pure-torch sampler)"),
     "out": (None, "write OUT.json and OUT.md (with --plot: the png)"),
     "files": ([], "code/math: test jsonl files (shipped paths or your own in the same schema); default: all of the task's"),
@@ -250,7 +251,7 @@ def main(argv):
     uniq = sorted(set(paths.values()))
     engines = [make_engine(a["engine"], p, seed=0, max_len=int(a["max_model_len"] or (512 if tiny else max_new + 8192))) for p in uniq]
     agents = Agents(AutoTokenizer.from_pretrained(uniq[0]), engines, {r: uniq.index(p) for r, p in paths.items()},
-                    max_prompt_tokens=256 if tiny else 8192)
+                    max_prompt_tokens=256 if tiny else 8192, thinking=a["thinking"].lower() in ("1", "true", "yes"))
     res = evaluate(test_envs, agents, int(a["turns"]), k=k, temperature=temp, max_new_tokens=max_new, progress=True)
     proto = f"{task}, {workflow}, {'greedy' if temp == 0 else f'T={temp}'}, k={k}, turns={a['turns']}, n={res['n']}"
     res.update(task=task, workflow=workflow, policies=paths, protocol=proto)

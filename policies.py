@@ -10,6 +10,7 @@ sample for them. One table decides the role -> policy map (`resolve`):
     --policy ROLE=PATH gives a role its own base model (different bases: one engine per base)
 """
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -120,6 +121,17 @@ def resolve(cfg):
     return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
 
 
+def optimizer_steps_line(cfg):
+    """What --mini_batch_rows / --minibatches imply: optimizer steps per training step, at most (every env playing
+    all its turns)."""
+    if not cfg["mini_batch_rows"]:
+        return f"optimizer steps per training step: {cfg['minibatches']} per policy (--minibatches)"
+    calls = cfg["envs_per_step"] * cfg["K"] * cfg["turns"] * len(task_roles(cfg))
+    return (f"optimizer steps per training step: one per {cfg['mini_batch_rows']} samples (--mini_batch_rows), up to "
+            f"{math.ceil(calls / cfg['mini_batch_rows'])} for {calls} samples (E {cfg['envs_per_step']} x K {cfg['K']} x T "
+            f"{cfg['turns']} x {len(task_roles(cfg))} agents), split over the policies")
+
+
 def model_config(cfg, base=None):
     """The Qwen3 config of a base: a HF folder's config.json, or a named size (M.SIZES) for --dry_run."""
     base = base or cfg["model"] or "tiny"
@@ -189,7 +201,8 @@ def build_engines(cfg, pols, models, bases, ckpt, rank):
     for b, ps in by_base.items():
         src = os.path.join(ckpt, f"policy-{pols[ps[0]].name}") if cfg["resume"] else b
         eng = make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
-                          gpu_memory_utilization=cfg["gpu_memory_utilization"] / len(by_base), sleep_mode=True)
+                          gpu_memory_utilization=cfg["gpu_memory_utilization"] / len(by_base), sleep_mode=True,
+                          max_num_seqs=max(16, cfg["envs_per_step"] // max(1, C.world_size()) * cfg["K"]))
         if len(ps) == 1:
             engines[ps[0]] = eng
             continue
@@ -217,15 +230,16 @@ def distinct_engines(engines):
     return out
 
 
-def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False):
-    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without."""
+def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False, max_num_seqs=256):
+    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without.
+    max_num_seqs: the most sequences one generate call holds (vLLM on CUDA sizes its start-up profile by it)."""
     if kind == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
         return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
-                          dtype="bfloat16" if torch.cuda.is_available() else "float32")
+                          dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=max_num_seqs)
     if kind == "scripted":
         return ScriptedEngine(model_dir, seed=seed, max_len=max_len)
     if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)

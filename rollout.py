@@ -56,14 +56,15 @@ class Sample:
 class Agents:
     """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
 
-    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096):
+    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096, thinking=False):
         self.tok, self.engines, self.role_to_policy, self.max_prompt = tokenizer, engines, role_to_policy, max_prompt_tokens
+        self.thinking = thinking  # Qwen3's chat-template switch
         self._cache = {}
         self.seed_base, self.calls = None, 0  # per-call sampling seeds: seed_base + call index (reproducible runs)
 
     def render(self, messages):
-        """Chat-template the observation (thinking off) and tokenize once; never re-tokenize sampled text."""
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        """Chat-template the observation and tokenize once; never re-tokenize sampled text."""
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking)
         ids = self._cache.get(text)
         if ids is None:
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -299,7 +300,8 @@ class VLLMEngine(Engine):
     do nothing. Only one sleep-mode engine can exist per process (vLLM's CuMem allocator), which is why per_role
     training serves all policies from one engine (PolicySwitch below)."""
 
-    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False):
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False,
+                 max_num_seqs=256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
         # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
@@ -318,6 +320,10 @@ class VLLMEngine(Engine):
             kw["distributed_executor_backend"] = "external_launcher"
         if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
             kw["enable_sleep_mode"] = True
+        if self.cuda:  # sized for the run, not vLLM's H100 defaults (1024 sequences, 16k tokens profiled at start-up):
+            # one step's calls on this rank, and a prefill chunk of one full context (verl `rollout.yaml`: max_num_seqs,
+            # max_num_batched_tokens). CPU keeps vLLM's defaults: the tests' exact reproduction was measured with them
+            kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_len, 8192))
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
         self.sleeping = set()  # sleep-mode tags currently released (CUDA only)

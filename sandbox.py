@@ -282,7 +282,14 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
 
 _CACHE = OrderedDict()  # (code, stdin, limits) -> Future of a RunResult
 _CACHE_LOCK = threading.Lock()
-stats = {"runs": 0, "cached": 0}
+stats = {"runs": 0, "cached": 0, "timeouts": 0}  # programs run, results reused, runs killed at their time limit
+
+
+def set_workers(n):
+    """How many programs run at once in this process (SANDBOX_WORKERS, if set, wins)."""
+    global WORKERS, _SLOTS
+    WORKERS = int(os.environ.get("SANDBOX_WORKERS", n))
+    _SLOTS = threading.BoundedSemaphore(WORKERS)
 
 
 def clear_cache():
@@ -311,7 +318,11 @@ def run_code(code, stdin="", timeout=5.0, mem_mb=1024, out_bytes=1 << 20, cache=
     if mine:
         try:
             with _SLOTS:
-                fut.set_result(_run(code, stdin, timeout, mem_mb, out_bytes))
+                res = _run(code, stdin, timeout, mem_mb, out_bytes)
+            if res.timed_out:
+                with _CACHE_LOCK:
+                    stats["timeouts"] += 1
+            fut.set_result(res)
         except BaseException as e:
             fut.set_exception(e)
             with _CACHE_LOCK:

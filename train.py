@@ -39,6 +39,7 @@ import common as C
 import envs as E
 import model as M
 import policies as P
+import sandbox
 from grpo_mas import DUMMY, by_agent_turn, collate, compute_advantages, make_rows, micro_batches, ppo_loss, \
     split_minibatches, trajectory_returns
 from rollout import Agents, plain_rollout, tree_rollout
@@ -87,38 +88,41 @@ wandb = ""                 # PROJECT: also log every metrics line to Weights & B
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
-PRESET_NAMES = ("paper", "tiny", "tiny-sokoban", "tiny-sudoku")
-PRESETS = {  # flag: its value in each preset, in PRESET_NAMES' order (paper = SPEC §6; tiny = the 2-core CPU default)
-    "turns":                  (4,      4,       4,       4),        # T, max turns per episode
-    "envs_per_step":          (128,    16,      16,      16),       # E, env instances per step over all ranks
-    "minibatches":            (2,      4,       4,       4),        # optimizer steps per rollout batch; per role: tool=2,plan=4
-    "steps":                  (400,    250,     250,     50),       # training steps; the lr schedule spans them
-    "lr":                     (1e-6,   5e-4,    5e-4,    5e-4),     # AdamW learning rate (x LORA_LR_MULT with --policies lora); per role: tool=1e-6,plan=2e-6
-    "lr_decay":               (0.0,    1.0,     1.0,     1.0),      # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant
-    "scale_rewards":          ("group", "batch", "group", "group"), # group: A = (r - group mean) / group std (paper); none: r - group mean
-                                                                    # (Dr. GRPO); batch: (r - group mean) / the std of all the step's rewards
-    "batch_std_steps":        (0,      60,      60,      60),       # --scale_rewards group: its first this many steps divide by the step's std instead
-    "temperature":            (1.0,    0.7,     1.0,     1.0),      # training sampling temperature; the trainer divides logits by it too
-    "max_new_tokens":         (2048,   8,       8,       17),       # response budget per call (tiny: the compact answer's length)
-    "max_prompt_tokens":      (8192,   256,     256,     256),      # observation budget per call (head and tail are kept)
-    "max_model_len":          (10240,  512,     512,     512),      # engine context
-    "micro_batch_tokens":     (16384,  8192,    8192,    8192),     # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
-    "eval_every":             (20,     10,      10,      10),       # held-out evaluation every N steps (0 = never); also at step 0 and at the end
-    "eval_n":                 (100,    200,     200,     200),      # held-out instances (games: fixed test seeds; code/math: first N of the test files)
-    "ckpt_every":             (20,     10,      10,      10),       # checkpoint every N steps
-    "time_limit_min":         (0.0,    15.0,    15.0,    15.0),     # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
-    "warmup_steps":           (0,      150,     600,     600),      # tiny model only: format warm-up steps (random valid answers, never solutions)
-    "warmup_moves":           (0,      4,       4,       16),       # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
-    "grad_checkpoint":        (True,   False,   False,   False),    # activation checkpointing per decoder layer (without it 8B needs ~125 GiB of activations)
-    "tis_cap":                (2.0,    0.0,     0.0,     0.0),      # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
-    "gpu_memory_utilization": (0.5,    0.3,     0.3,     0.3),      # vLLM's share of each GPU while awake (it sleeps during the update on CUDA)
+PRESET_NAMES = ("paper", "paper-math", "paper-code", "tiny", "tiny-sokoban", "tiny-sudoku")
+PRESETS = {  # flag: its value in each preset, in PRESET_NAMES' order (paper: SPEC §6 and the reference's scripts, sources
+    # in docs/paper_preset.md; tiny: the 2-core CPU default, why in docs/design.md)
+    "turns":                  (3,       3,       3,       4,       4,       4),        # T, max turns per episode
+    "envs_per_step":          (128,     128,     128,     16,      16,      16),       # E, env instances per step over all ranks
+    "mini_batch_rows":        (32,      32,      32,      0,       0,       0),        # samples per optimizer step over all ranks (verl's ppo_mini_batch_size
+                                                                            # x rollout.n); 0 = cut each batch into --minibatches parts
+    "minibatches":            (2,       2,       2,       4,       4,       4),        # --mini_batch_rows 0: optimizer steps per rollout batch; per role: tool=2,plan=4
+    "steps":                  (400,     400,     400,     250,     250,     50),       # training steps; the lr schedule spans them
+    "lr":                     (1e-6,    1e-6,    1e-6,    5e-4,    5e-4,    5e-4),     # AdamW learning rate (x --lora_lr_mult with --policies lora); per role: tool=1e-6,plan=2e-6
+    "lora_lr_mult":           (1.0,     1.0,     1.0,     10.0,    10.0,    10.0),     # --policies lora without --lr: the lr is this x --lr
+    "lr_decay":               (0.0,     0.0,     0.0,     1.0,     1.0,     1.0),      # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant
+    "scale_rewards":          ("group", "group", "group", "batch", "group", "group"), # group: A = (r - group mean) / group std (paper); none: r - group mean
+                                                                            # (Dr. GRPO); batch: (r - group mean) / the std of all the step's rewards
+    "batch_std_steps":        (0,       0,       0,       60,      60,      60),       # --scale_rewards group: its first this many steps divide by the step's std instead
+    "temperature":            (0.6,     0.6,     0.6,     0.7,     1.0,     1.0),      # training sampling temperature; the trainer divides logits by it too
+    "thinking":               (False,   False,   False,   False,   False,   False),    # Qwen3's chat-template thinking switch (the paper: off)
+    "max_new_tokens":         (2048,    8192,    4096,    8,       8,       17),       # response budget per call (tiny: the compact answer's length)
+    "max_prompt_tokens":      (8192,    8192,    8192,    256,     256,     256),      # observation budget per call (head and tail are kept)
+    "max_model_len":          (10240,   16384,   12288,   512,     512,     512),      # engine context (never above the model's own)
+    "micro_batch_tokens":     (16384,   16384,   16384,   8192,    8192,    8192),     # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
+    "eval_every":             (20,      20,      20,      10,      10,      10),       # held-out evaluation every N steps (0 = never); also at step 0 and at the end
+    "eval_n":                 (100,     100,     100,     200,     200,     200),      # held-out instances (games: fixed test seeds; code/math: first N of the test files)
+    "ckpt_every":             (20,      20,      20,      10,      10,      10),       # checkpoint every N steps
+    "time_limit_min":         (0.0,     0.0,     0.0,     15.0,    15.0,    15.0),     # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
+    "warmup_steps":           (0,       0,       0,       150,     600,     600),      # tiny model only: format warm-up steps (random valid answers, never solutions)
+    "warmup_moves":           (0,       0,       0,       4,       4,       16),       # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
+    "grad_checkpoint":        (True,    True,    True,    False,   False,   False),    # activation checkpointing per decoder layer (without it 8B needs ~125 GiB of activations)
+    "tis_cap":                (2.0,     2.0,     2.0,     0.0,     0.0,     0.0),      # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
+    "gpu_memory_utilization": (0.5,     0.5,     0.5,     0.3,     0.3,     0.3),      # vLLM's share of each GPU while awake (it sleeps during the update on CUDA)
 }
-LORA_LR_MULT = 10.0  # --policies lora without --lr: this x the preset's lr (Thinking Machines, "LoRA Without Regret", 2025)
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"], "preset": ["", *PRESET_NAMES],
            "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"],
            "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"], "scale_rewards": ["group", "none", "batch"]}
-FLAGS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))
-         and k not in ("LORA_LR_MULT",)}
+FLAGS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 
 
 def configure(argv):
@@ -129,11 +133,12 @@ def configure(argv):
                  + C.usage(__file__, set(cfg)) + "\n\n(preset flags show their value in " + ", ".join(PRESET_NAMES) + ")")
     given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE, repeatable=("policy",), help_text=help_text)
     cfg["preset"] = cfg["preset"] or ("tiny" + {"sokoban": "-sokoban", "sudoku": "-sudoku"}.get(cfg["task"], "")
-                                      if P.is_tiny(cfg) else "paper")
+                                      if P.is_tiny(cfg) else "paper" + {"math": "-math", "code": "-code"}.get(cfg["task"], ""))
     row = {k: v[PRESET_NAMES.index(cfg["preset"])] for k, v in PRESETS.items()}
-    if cfg["policies"] == "lora":
-        row["lr"] *= LORA_LR_MULT
     cfg.update({k: v for k, v in row.items() if k not in given})
+    if cfg["policies"] == "lora":  # adapters without --lr (and roles --lr does not name): lora_lr_mult x the preset's
+        row["lr"] *= cfg["lora_lr_mult"]
+        cfg["lr"] = cfg["lr"] if "lr" in given else row["lr"]
     cfg["role_defaults"] = {k: row[k] for k in P.PER_ROLE}  # a per-role flag's value for the roles it does not name
     if cfg["pack"] and "split" not in given:
         cfg["split"] = "groups"
@@ -141,13 +146,27 @@ def configure(argv):
         raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with --scale_rewards group "
                          f"(not {cfg['scale_rewards']}), or drop --batch_std_steps")
     check(cfg)
+    context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
+    if cfg["max_model_len"] > context:  # vLLM would die on it inside its config validation
+        print(f"note: --max_model_len {cfg['max_model_len']} is above the model's context ({context} tokens): using {context}")
+        cfg["max_model_len"] = context
+    if cfg["max_prompt_tokens"] + cfg["max_new_tokens"] > cfg["max_model_len"]:  # the prompt gives way first, to half
+        n = cfg["max_model_len"]
+        prompt = max(n // 2, n - cfg["max_new_tokens"])
+        print(f"note: --max_prompt_tokens {cfg['max_prompt_tokens']} + --max_new_tokens {cfg['max_new_tokens']} exceed "
+              f"--max_model_len {n}: using {prompt} + {n - prompt}")
+        cfg["max_prompt_tokens"], cfg["max_new_tokens"] = prompt, n - prompt
     return cfg
 
 
 def check(cfg):
     """Every misuse that can be named before anything loads, with the flag to change."""
     E.check_task(cfg["task"], cfg["workflow"])
-    P.resolve(cfg)  # every role/policy misuse
+    pols, _ = P.resolve(cfg)  # every role/policy misuse
+    if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
+        raise SystemExit("different base models per role need one vLLM engine each, and vLLM 0.32 allows one sleep-mode "
+                         "engine per process (one CuMem allocator): give every role the same base (--policies per_role "
+                         "trains a model per role on it), or use --engine torch")
     if cfg["wandb"]:
         try:
             import wandb  # noqa: F401
@@ -201,11 +220,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     """PPO-clip on this rank's samples of one policy: one optimizer step per mini-batch, each a token-mean over all
     ranks. Every rank runs the same number of FSDP forwards (micro_batches pads with zero-weight rows)."""
     samples = [s for s in samples if s.response_ids]
-    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, cfg["minibatches"], cfg["split"])]
+    n_mini = cfg["minibatches"]
+    if cfg["mini_batch_rows"]:  # verl: each rank's batch cut into mini-batches of ppo_mini_batch_size x n / world rows
+        n_mini = C.all_max(max(1, math.ceil(len(samples) / max(1, cfg["mini_batch_rows"] // world))))
+    chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
     rows = [r for c in chunks for r in c]
     stats = dict(loss=0.0, clip_tokens=0.0, tokens=0.0, clamped_tokens=0.0, dlogp=0.0, kl_sum=0.0, entropy_sum=0.0, grad_norm=0.0,
-                 rows=len(rows), trained_tokens=float(sum(len(r.ids) for r in rows)))
-    if cfg["minibatches"] > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
+                 rows=len(rows), trained_tokens=float(sum(len(r.ids) for r in rows)), opt_steps=0)
+    if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
             for chunk in chunks:
                 for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
@@ -236,6 +258,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         gn = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], cfg["grad_clip"])
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         stats["grad_norm"] = max(stats["grad_norm"], float(gn))
+        stats["opt_steps"] += 1
         opt.step()
         opt.zero_grad(set_to_none=True)
     return stats
@@ -264,7 +287,7 @@ def step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master):
     rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
            "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
            "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr),
-           "lr_factor": lr_factor(cfg, step)}
+           "lr_factor": lr_factor(cfg, step), "timeouts": sum(x["timeouts"] for x in allr)}  # sandbox programs killed
     for r in roles:
         vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
         rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
@@ -284,6 +307,7 @@ def step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master):
             print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
                   f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights?", flush=True)
         rec[f"grad_norm_p{p}"] = st["grad_norm"]
+        rec[f"opt_steps_p{p}"] = st["opt_steps"]  # optimizer steps this training step (the same on every rank)
         rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
         if cfg["kl_coef"]:
             rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
@@ -318,6 +342,8 @@ def setup(cfg, rank, world, master):
     from transformers import AutoTokenizer
     if master:
         print("config: preset " + cfg["preset"] + "; " + ", ".join(f"{k} {cfg[k]}" for k in PRESETS), flush=True)
+    if master:
+        print(P.optimizer_steps_line(cfg), flush=True)
     if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
     pols, role_to_policy = P.resolve(cfg)
@@ -341,7 +367,9 @@ def setup(cfg, rank, world, master):
     compact = P.is_tiny(cfg) and cfg["task"] in ("plan", "sokoban", "sudoku")
     team = P.parse_team(cfg)
     E.TOOL_TIMEOUT, E.TEST_TIMEOUT = cfg["tool_timeout"], cfg["test_timeout"]
-    agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"])
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks, not each rank all of them
+        sandbox.set_workers(max(2, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"], thinking=cfg["thinking"])
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"], team=team)
 
     def run_eval(step):
@@ -371,6 +399,7 @@ def main(argv):
     import memory
     cfg = configure(argv)
     if cfg["dry_run"]:
+        print(P.optimizer_steps_line(cfg))
         raise SystemExit(memory.print_plan(cfg))
     memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
@@ -386,7 +415,7 @@ def main(argv):
     C.cuda_peak_gib()
     dlogp_hist = [[] for _ in pols]
     for step in range(S["start"].step, cfg["steps"]):
-        t0, timer = time.time(), {}
+        t0, timer, timeouts0 = time.time(), {}, sandbox.stats["timeouts"]
         # --- rollout: this rank's share of the step's fresh envs
         rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
         envs = [E.train_env(cfg["task"], rng, cfg["workflow"], S["compact"], S["rows"], team=S["team"])
@@ -424,7 +453,7 @@ def main(argv):
         # --- log, evaluate, checkpoint
         local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats),
                      resp_tok=sum(len(s.response_ids) for s in samples), fmt=sum(s.formatted for s in samples),
-                     rewards=by_agent_turn(samples), diag=diag, mem=mem)
+                     rewards=by_agent_turn(samples), diag=diag, mem=mem, timeouts=sandbox.stats["timeouts"] - timeouts0)
         rec = step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
                    t_step=t3 - t0, time=time.time() - t_start)
