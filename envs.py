@@ -1071,8 +1071,8 @@ def team_roles(n, m):
     return tuple(f"reasoner{i}" for i in range(1, n + 1)) + tuple(f"tool{j}" for j in range(1, m + 1)) + ("judge",)
 
 
-def parse_team(spec, task, workflow="mas"):
-    """--team "N,M" -> (N, M); "" -> None. Only math has a team workflow (the paper's Fig. 5)."""
+def parse_team(spec, task, workflow="mas", mode="aggregate"):
+    """--team "N,M" -> (N, M, mode); "" -> None. Only math has a team workflow (the paper's Fig. 5)."""
     if not spec:
         return None
     try:
@@ -1083,7 +1083,9 @@ def parse_team(spec, task, workflow="mas"):
         raise ValueError("--team is the math task's team workflow: use it with --task math (and --workflow mas)")
     if n < 1 or m < 1:
         raise ValueError(f"--team {spec}: a team needs N >= 1 reasoners and M >= 1 tool agents (plus its judge)")
-    return n, m
+    if mode not in ("aggregate", "refine"):
+        raise ValueError(f"--team_mode {mode!r}: aggregate or refine")
+    return n, m, mode
 
 
 def role_type(role):
@@ -1103,8 +1105,11 @@ def _plurality(entries):
 
 
 class TeamMathEnv(MathEnv):
-    """N reasoners and M tool agents answer in parallel (as in the two-agent workflow: from turn 1 on each sees the
-    previous turn's answers, the judge's included), then the judge sees this turn's answers and gives the team's.
+    """N reasoners and M tool agents answer in parallel, then the judge sees their answers and gives the team's.
+    mode "aggregate" (train.py's default, the reference's `math_aggretion` workflow): one turn; rewards 1/0 for a
+    correct answer (judge, reasoners), a tool agent 1 if its program prints the answer, -1 if the program fails, else
+    0; no team term. Success: the judge is right.
+    mode "refine": T turns (from turn 1 on each member sees the previous turn's answers, the judge's included).
     Rewards (the paper gives the structure only; our reading, as SPEC §4 suggests):
       team    1 if the team's answer is correct: the judge's, once it has answered this turn; while the members'
               candidates are scored the judge has not answered yet, so the team's answer is then the plurality of the
@@ -1112,9 +1117,9 @@ class TeamMathEnv(MathEnv):
       judge   local 0.2 format + 0.8 correct (the reasoner's rule); members keep their two-agent local rewards
     Success: the judge's answer is correct. Done: the judge's answer agrees with the members' plurality answer."""
 
-    def __init__(self, row, n, m):
+    def __init__(self, row, n, m, mode="refine"):
         super().__init__(row, "mas")
-        self.roles = team_roles(n, m)
+        self.roles, self.mode = team_roles(n, m), mode
 
     @property
     def stages(self):
@@ -1136,13 +1141,18 @@ class TeamMathEnv(MathEnv):
             self.format_ok = ans is not None
             ok = math_equal(self.row["answer"], ans)
             self.pending["judge"] = (_clip_mid(text or ""), ans, ok)
-            return 0.2 * (ans is not None) + 0.8 * ok
+            return float(ok) if self.mode == "aggregate" else 0.2 * (ans is not None) + 0.8 * ok
         kind = role_type(role)
         local = super().step(kind, text)
         self.pending[role] = self.pending.pop(kind)
+        if self.mode == "aggregate":  # the reference's sample agents: 1/0, a tool program that fails -1
+            ok = self.pending[role][2]
+            return float(ok) if kind == "reasoner" or ok else (-1.0 if local < 0.1 else 0.0)
         return local
 
     def team_reward(self):
+        if self.mode == "aggregate":
+            return 0.0
         if "judge" in self.pending:
             return float(self.pending["judge"][2])
         vote = self._vote()
@@ -1158,6 +1168,7 @@ class TeamMathEnv(MathEnv):
             self.prev[role] = (shown, ans)
         self.success = bool(judge and judge[2])
         self.done = bool(judge and judge[1] is not None and vote and (judge[1].strip() == vote[0] or math_equal(vote[0], judge[1])))
+        self.done = self.done or (self.mode == "aggregate" and judge is not None)  # one turn
         self.pending = {}
         self.turn += 1
 
@@ -1224,7 +1235,7 @@ def load_split(task, split, files=None):
 
 
 def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None, team=None):
-    """`team` (n, m): math with n reasoners, m tool agents and a judge (TeamMathEnv)."""
+    """`team` (n, m, mode): math with n reasoners, m tool agents and a judge (TeamMathEnv)."""
     check_task(task, workflow)
     if task in ("plan", "sokoban", "sudoku"):
         return make_game(task, seed, workflow, compact)

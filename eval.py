@@ -160,6 +160,7 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "policy": ([], "ROLE=PATH, repeatable: that role's model (role swaps: give each role the other's checkpoint)"),
     "workflow": ("mas", "mas: all agents; single: the plan agent / coder / reasoner alone"),
     "team": (None, "math: N,M = N reasoners + M tool agents + a judge (as train.py --team)"),
+    "team_mode": ("aggregate", "--team: aggregate (one turn, the reference's workflow) or refine (as train.py)"),
     "k": (None, "samples per problem: 4 for math (avg@4, pass@4), else 1"),
     "temperature": (None, "0.6 for math, else 0 (greedy)"),
     "split": ("test", "only the test split is evaluated here"),
@@ -212,10 +213,10 @@ def main(argv):
     except ValueError as e:
         raise SystemExit(str(e))
     try:
-        team = E.parse_team(a["team"], task, workflow)
+        team = E.parse_team(a["team"], task, workflow, a["team_mode"])
     except ValueError as e:
         raise SystemExit(str(e))
-    roles = E.team_roles(*team) if team else E.TASKS[task]["roles"] if workflow == "mas" else (E.TASKS[task]["single"],)
+    roles = E.team_roles(*team[:2]) if team else E.TASKS[task]["roles"] if workflow == "mas" else (E.TASKS[task]["single"],)
     paths = {r: a["model"] for r in roles}
     for spec in a["policy"]:
         if "=" not in spec:

@@ -48,7 +48,7 @@ def is_tiny(cfg):
 
 def parse_team(cfg):
     try:
-        return E.parse_team(cfg["team"], cfg["task"], cfg["workflow"])
+        return E.parse_team(cfg["team"], cfg["task"], cfg["workflow"], cfg["team_mode"])
     except ValueError as e:
         raise SystemExit(str(e))
 
@@ -56,7 +56,7 @@ def parse_team(cfg):
 def task_roles(cfg):
     team = parse_team(cfg)
     if team:
-        return E.team_roles(*team)
+        return E.team_roles(*team[:2])
     return E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
 
 

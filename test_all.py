@@ -2315,6 +2315,28 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
     assert envs[0].done and envs[0].success
 
 
+def test_team_aggregate_mode_is_the_references_workflow(tiny_dir):
+    """--team's default (mode aggregate), the reference's `math_aggretion`: one turn, then done; 1/0 rewards for the
+    judge and the reasoners, a tool agent 1 if its program prints the answer, -1 if it has no program or it fails,
+    else 0; no team term. The same scripted answers as the refine test above, by hand."""
+    from rollout import tree_rollout
+    answers = {"reasoner1": ["\\boxed{42}", "\\boxed{41}"], "reasoner2": ["\\boxed{41}", "I think 41"],
+               "tool1": ["```python\nprint(42)\n```", "```python\nprint(41)\n```"],
+               "tool2": ["no code", "```python\nprint(42)\n```"], "judge": ["\\boxed{41}", "\\boxed{42}"]}
+    calls, order = [], [r for r in E.team_roles(2, 2) for _ in range(2)]
+
+    def script(text, rng):
+        calls.append(text)
+        return answers[order[len(calls) - 1]][(len(calls) - 1) % 2]
+    envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2, mode="aggregate")]
+    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 2, 4, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
+    assert got == {"reasoner1": [1.0, 0.0], "reasoner2": [0.0, 0.0], "tool1": [1.0, 0.0], "tool2": [-1.0, 1.0],
+                   "judge": [0.0, 1.0]}
+    assert len(calls) == 10 and envs[0].done and envs[0].success and envs[0].turn == 1  # one turn of 4 allowed
+    assert E.parse_team("2,2", "math") == (2, 2, "aggregate")
+
+
 def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
     """The default script with no wrong answers: the coder's reference solution and the tester's ground-truth cases
     agree, so the episode succeeds and ends after one turn, for a stdio, a functional and an assert-style row."""

@@ -53,6 +53,7 @@ algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the norm
 workflow = "mas"           # mas: both agents; single: the plan agent / coder / reasoner alone
 policies = "shared"        # shared | per_role | per_type | lora: which roles share a policy (policies.py)
 team = ""                  # --task math: "N,M" = N reasoners and M tool agents answer in parallel, then a judge (N+M+1 agents)
+team_mode = "aggregate"    # --team: aggregate (one turn, 1/0 rewards, no team term: the reference's) | refine (--turns turns)
 policy = ""                # ROLE=PATH (repeatable): that role's base model (a HF folder, or tiny / tiny-small); roles naming one path share a policy
 lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer, model.LORA_TARGETS)
 lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
@@ -119,7 +120,7 @@ PRESETS = {  # flag: its value in each preset, in PRESET_NAMES' order (paper: SP
     "tis_cap":                (2.0,     2.0,     2.0,     0.0,     0.0,     0.0),      # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
     "gpu_memory_utilization": (0.5,     0.5,     0.5,     0.3,     0.3,     0.3),      # vLLM's share of each GPU while awake (it sleeps during the update on CUDA)
 }
-CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"], "preset": ["", *PRESET_NAMES],
+CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"], "preset": ["", *PRESET_NAMES], "team_mode": ["aggregate", "refine"],
            "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"],
            "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"], "scale_rewards": ["group", "none", "batch"]}
 FLAGS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
