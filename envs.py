@@ -863,6 +863,20 @@ def code_pass_rate(row, solution, tests=None, timeout=None):
     return sum(ok for ok, _ in checks) / max(1, len(tests)), True, all(r.returncode == 0 or r.timed_out for r in res)
 
 
+def table_solution(row, write=True):
+    """A program correct on the row's public tests, whatever the problem: a lookup table from each test's input to
+    its output (the scripted policy's answer where the data has no reference; the judge table's correct program).
+    stdin rows: `write=False` leaves the output in OUT instead of printing it."""
+    if row["test_type"] == "functional":  # from the arguments to the expected value, in the starter's method
+        table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
+                 for t in row["tests"]}
+        return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
+                f"        return TABLE.get(json.dumps(list(args)))\n")
+    table = {t["input"].strip(): t["output"] for t in row["tests"]}
+    return (f"import sys\nTABLE = {table!r}\nOUT = TABLE.get(sys.stdin.read().strip(), '')\n"
+            + ("sys.stdout.write(OUT)\n" if write else ""))
+
+
 def parse_tests(text, row):
     """Tester output -> list of cases ({'input','output'} for io problems, assert lines for function problems)."""
     text = (text or "")[-20000:]

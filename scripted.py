@@ -117,13 +117,7 @@ def _script_solution(row):
     ref = E.reference_solution(row)
     if ref:
         return ref
-    if row["test_type"] == "functional":  # a table from the arguments to the expected value, in the starter's method
-        table = {json.dumps([json.loads(x) for x in t["input"].splitlines() if x.strip()]): json.loads(t["output"])
-                 for t in row["tests"]}
-        return (f"import json\nTABLE = {table!r}\nclass Solution:\n    def {row['entry_point']}(self, *args):\n"
-                f"        return TABLE.get(json.dumps(list(args)))\n")
-    table = {t["input"].strip(): t["output"] for t in row["tests"]}
-    return f"import sys\nTABLE = {table!r}\nsys.stdout.write(TABLE.get(sys.stdin.read().strip(), ''))\n"
+    return E.table_solution(row)
 
 
 def _script_wrong(row):
