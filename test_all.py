@@ -2368,10 +2368,11 @@ def test_policy_switch_over_the_scripted_engine(tiny_dir):
 
 @pytest.mark.slow
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
-    """Code, math, and a math team of 2 + 2 + 1 (one turn) driven by the scripted policy: its answers are right 70% of
-    the time, so every role (the judge too) earns reward."""
+    """Code, math, and a math team of 2 + 2 + 1 (one turn; refine and aggregate) driven by the scripted policy: its
+    answers are right 70% of the time, so every role (the judge too) earns reward."""
     import train as T
-    for task, extra in (("math", ["--turns", "2"]), ("code", ["--turns", "2"]), ("math", ["--team", "2,2", "--turns", "1"])):
+    for task, extra in (("math", ["--turns", "2"]), ("code", ["--turns", "2"]),
+                        ("math", ["--team", "2,2", "--turns", "1", "--team_mode", "refine"]), ("math", ["--team", "2,2"])):
         out = tmp_path / (task + "".join(extra))
         T.main(["--task", task, "--engine", "scripted", "--steps", "1", "--envs_per_step", "2", "--K", "2",
                 "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "1500", "--max_prompt_tokens", "3000",
@@ -2380,8 +2381,10 @@ def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
         assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0
         if task == "math":  # short questions were answered "I do not know." (the script looked up 300 characters)
             assert rec[-1]["reward_reasoner" if "--team" not in extra else "reward_reasoner1"] > 0
-        if "--team" in extra:
+        if "refine" in extra:
             assert rec[-1]["samples"] == 2 * 2 * 5 and all(rec[-1][f"reward_{r}"] > 0 for r in E.team_roles(2, 2))
+        elif "--team" in extra:  # aggregate (the default): one turn whatever --turns says, rewards in [-1, 1]
+            assert rec[-1]["samples"] == 2 * 2 * 5 and all(-1 <= rec[-1][f"reward_{r}"] <= 1 for r in E.team_roles(2, 2))
 
 
 def test_clones_are_independent_for_every_task():
