@@ -54,14 +54,16 @@ def run(commit, config, steps, work, python):
 
 
 def compare(a, b):
-    """Differences between two metrics logs: a list of 'step S field: A != B' lines ([] = identical)."""
-    diffs = []
+    """(differences in the fields both logs have: 'step S field: A != B' lines, fields only one log has) between two
+    metrics logs; ([], set()) = identical. A field only one side has is a new (or dropped) metric, not a changed one."""
+    diffs, only = [], set()
     if len(a) != len(b):
         diffs.append(f"{len(a)} lines != {len(b)} lines")
     for ra, rb in zip(a, b):
-        keys = sorted(k for k in set(ra) | set(rb) if not timing(k))
-        diffs += [f"step {ra.get('step')} {k}: {ra.get(k)!r} != {rb.get(k)!r}" for k in keys if ra.get(k) != rb.get(k)]
-    return diffs
+        only |= {k for k in set(ra) ^ set(rb) if not timing(k)}
+        keys = sorted(k for k in set(ra) & set(rb) if not timing(k))
+        diffs += [f"step {ra.get('step')} {k}: {ra[k]!r} != {rb[k]!r}" for k in keys if ra[k] != rb[k]]
+    return diffs, only
 
 
 def main(argv):
@@ -86,10 +88,11 @@ def main(argv):
         if config not in CONFIGS:
             raise SystemExit(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
         logs = [run(c, config, int(flags["--steps"]), flags["--work"], flags["--python"]) for c in pos]
-        diffs = compare(*logs)
-        fields = sorted({k for r in logs[0] for k in r if not timing(k)})
-        print(f"{config}: {len(logs[0])} rows x {len(fields)} non-timing fields: "
-              + ("identical" if not diffs else f"{len(diffs)} differences"), flush=True)
+        diffs, only = compare(*logs)
+        fields = sorted({k for r in logs[0] for k in r if not timing(k) and k not in only})
+        print(f"{config}: {len(logs[0])} rows x {len(fields)} shared non-timing fields: "
+              + ("identical" if not diffs else f"{len(diffs)} differences")
+              + (f"; fields in one log only: {', '.join(sorted(only))}" if only else ""), flush=True)
         for d in diffs[:20]:
             print("   ", d)
         bad += bool(diffs)
