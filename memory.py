@@ -99,7 +99,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
          gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
          entropy=False):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
-    `n_policies` trained models share one engine (per_role: rollout.PolicySwitch). `rows` is the torch engine's
+    `n_policies` trained models share one engine (per_role: policies.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
     c = counts(cfg)
     G = gpu_gb * GiB

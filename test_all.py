@@ -446,7 +446,7 @@ def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
 
 def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
     """NCCL serves only CUDA tensors, so a CPU tensor in a collective kills every GPU run at its first update. Emulated
-    here: the code is told it runs on cuda:0 (train.DEVICE); tensor creation in train.py is intercepted (made on the
+    here: the code is told it runs on cuda:0 (common.DEVICE); tensor creation in common.py is intercepted (made on the
     CPU, the requested device recorded) and a wrapper around dist.all_reduce rejects any tensor not requested on that
     device, as NCCL does. A 1-rank gloo group does the arithmetic; `world` = 2 so no helper can skip its collective."""
     import torch.distributed as dist
@@ -723,7 +723,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_cuda_collectives_on_nccl():
-    """The distributed helpers under a real NCCL group (1 rank: train.setup_dist makes one on a lone GPU). NCCL serves
+    """The distributed helpers under a real NCCL group (1 rank: common.setup_dist makes one on a lone GPU). NCCL serves
     only CUDA tensors: the CPU tensors the helpers used to reduce fail here, as they did at every GPU run's first update."""
     import torch.distributed as dist
     import train as T
@@ -2552,7 +2552,7 @@ def test_bad_flags_fail_fast(tmp_path):
         tiny.TINY_VERSION -= 1
 
 
-def test_resolve_policies_role_maps_settings_and_misuse(tiny_dir):
+def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir):
     """Who plays which role with which settings, from the flags alone; every misuse stops with the fix, before loading."""
     import train as T
 
