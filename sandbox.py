@@ -285,6 +285,11 @@ _CACHE_LOCK = threading.Lock()
 stats = {"runs": 0, "cached": 0, "timeouts": 0}  # programs run, results reused, runs killed at their time limit
 
 
+def per_rank(local_world, cores=None):
+    """Programs at once for one of `local_world` ranks sharing this node's cores (at least 2)."""
+    return max(2, (cores or os.cpu_count() or 1) // local_world)
+
+
 def set_workers(n):
     """How many programs run at once in this process (SANDBOX_WORKERS, if set, wins)."""
     global WORKERS, _SLOTS

@@ -369,7 +369,7 @@ def setup(cfg, rank, world, master):
     team = P.parse_team(cfg)
     E.TOOL_TIMEOUT, E.TEST_TIMEOUT = cfg["tool_timeout"], cfg["test_timeout"]
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks, not each rank all of them
-        sandbox.set_workers(max(2, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
     agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"], thinking=cfg["thinking"])
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"], team=team)
 
