@@ -90,35 +90,34 @@ tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 
 PRESET_NAMES = ("paper", "paper-math", "paper-code", "tiny", "tiny-sokoban", "tiny-sudoku")
-PRESETS = {  # flag: its value in each preset, in PRESET_NAMES' order (paper: SPEC §6 and the reference's scripts, sources
-    # in docs/paper_preset.md; tiny: the 2-core CPU default, why in docs/design.md)
-    "turns":                  (3,       3,       3,       4,       4,       4),        # T, max turns per episode
-    "envs_per_step":          (128,     128,     128,     16,      16,      16),       # E, env instances per step over all ranks
-    "mini_batch_rows":        (32,      32,      32,      0,       0,       0),        # samples per optimizer step over all ranks (verl's ppo_mini_batch_size
-                                                                            # x rollout.n); 0 = cut each batch into --minibatches parts
-    "minibatches":            (2,       2,       2,       4,       4,       4),        # --mini_batch_rows 0: optimizer steps per rollout batch; per role: tool=2,plan=4
-    "steps":                  (400,     400,     400,     250,     250,     50),       # training steps; the lr schedule spans them
-    "lr":                     (1e-6,    1e-6,    1e-6,    5e-4,    5e-4,    5e-4),     # AdamW learning rate (x --lora_lr_mult with --policies lora); per role: tool=1e-6,plan=2e-6
-    "lora_lr_mult":           (1.0,     1.0,     1.0,     10.0,    10.0,    10.0),     # --policies lora without --lr: the lr is this x --lr
-    "lr_decay":               (0.0,     0.0,     0.0,     1.0,     1.0,     1.0),      # the last fraction of --steps over which the lr falls (half cosine) to lr_min x lr; 0 = constant
-    "scale_rewards":          ("group", "group", "group", "batch", "group", "group"), # group: A = (r - group mean) / group std (paper); none: r - group mean
-                                                                            # (Dr. GRPO); batch: (r - group mean) / the std of all the step's rewards
-    "batch_std_steps":        (0,       0,       0,       60,      60,      60),       # --scale_rewards group: its first this many steps divide by the step's std instead
-    "temperature":            (0.6,     0.6,     0.6,     0.7,     1.0,     1.0),      # training sampling temperature; the trainer divides logits by it too
-    "thinking":               (False,   False,   False,   False,   False,   False),    # Qwen3's chat-template thinking switch (the paper: off)
-    "max_new_tokens":         (2048,    8192,    4096,    8,       8,       17),       # response budget per call (tiny: the compact answer's length)
-    "max_prompt_tokens":      (8192,    8192,    8192,    256,     256,     256),      # observation budget per call (head and tail are kept)
-    "max_model_len":          (10240,   16384,   12288,   512,     512,     512),      # engine context (never above the model's own)
-    "micro_batch_tokens":     (16384,   16384,   16384,   8192,    8192,    8192),     # padded tokens per micro-batch (forward/backward); per role: tool=8192,plan=16384
-    "eval_every":             (20,      20,      20,      10,      10,      10),       # held-out evaluation every N steps (0 = never); also at step 0 and at the end
-    "eval_n":                 (100,     100,     100,     200,     200,     200),      # held-out instances (games: fixed test seeds; code/math: first N of the test files)
-    "ckpt_every":             (20,      20,      20,      10,      10,      10),       # checkpoint every N steps
-    "time_limit_min":         (0.0,     0.0,     0.0,     15.0,    15.0,    15.0),     # stop (with a final eval and checkpoint) after this many minutes; 0 = no limit
-    "warmup_steps":           (0,       0,       0,       150,     600,     600),      # tiny model only: format warm-up steps (random valid answers, never solutions)
-    "warmup_moves":           (0,       0,       0,       4,       4,       16),       # tiny model only: the warm-up's random answers have 1..this many moves (Sudoku: fills)
-    "grad_checkpoint":        (True,    True,    True,    False,   False,   False),    # activation checkpointing per decoder layer (without it 8B needs ~125 GiB of activations)
-    "tis_cap":                (2.0,     2.0,     2.0,     0.0,     0.0,     0.0),      # truncated importance sampling: each token's loss x min(exp(logp_trainer_old - logp_sampler), C); 0 = off
-    "gpu_memory_utilization": (0.5,     0.5,     0.5,     0.3,     0.3,     0.3),      # vLLM's share of each GPU while awake (it sleeps during the update on CUDA)
+# PRESETS: each flag's value in each preset, in PRESET_NAMES' order. paper: the reference's scripts and SPEC §6, value
+# by value in docs/paper_preset.md; tiny: the 2-core CPU default, why each value in docs/design.md ("The tiny default")
+PRESETS = {
+    "turns":                  (3,       3,       3,       4,       4,       4),       # T, max turns per episode
+    "envs_per_step":          (128,     128,     128,     16,      16,      16),      # E, env instances per step over all ranks
+    "mini_batch_rows":        (32,      32,      32,      0,       0,       0),       # samples per optimizer step, all ranks (verl's); 0: --minibatches
+    "minibatches":            (2,       2,       2,       4,       4,       4),       # --mini_batch_rows 0: optimizer steps per batch; tool=2,plan=4
+    "steps":                  (400,     400,     400,     250,     250,     50),      # training steps; the lr schedule spans them
+    "lr":                     (1e-6,    1e-6,    1e-6,    5e-4,    5e-4,    5e-4),    # AdamW learning rate; per role: tool=1e-6,plan=2e-6
+    "lora_lr_mult":           (1.0,     1.0,     1.0,     10.0,    10.0,    10.0),    # --policies lora without --lr: this x the preset's lr
+    "lr_decay":               (0.0,     0.0,     0.0,     1.0,     1.0,     1.0),     # last fraction of --steps: lr falls (half cosine) to lr_min x lr; 0 = constant
+    "scale_rewards":          ("group", "group", "group", "batch", "group", "group"), # group: (r - mean) / group std; none: r - mean; batch: / the step's std
+    "batch_std_steps":        (0,       0,       0,       60,      60,      60),      # with --scale_rewards group: the first N steps use the step's std
+    "temperature":            (0.6,     0.6,     0.6,     0.7,     1.0,     1.0),     # training temperature (the trainer divides logits by it too)
+    "thinking":               (False,   False,   False,   False,   False,   False),   # Qwen3's chat-template thinking switch
+    "max_new_tokens":         (2048,    8192,    4096,    8,       8,       17),      # response tokens per call (tiny: the compact answer)
+    "max_prompt_tokens":      (8192,    8192,    8192,    256,     256,     256),     # prompt tokens per call (head and tail kept)
+    "max_model_len":          (10240,   16384,   12288,   512,     512,     512),     # engine context (clamped to the model's)
+    "micro_batch_tokens":     (16384,   16384,   16384,   8192,    8192,    8192),    # padded tokens per micro-batch; tool=8192,plan=16384
+    "eval_every":             (20,      20,      20,      10,      10,      10),      # held-out eval every N steps (0 = never), and at 0 and the end
+    "eval_n":                 (100,     100,     100,     200,     200,     200),     # held-out instances (games: test seeds; code/math: first N rows)
+    "ckpt_every":             (20,      20,      20,      10,      10,      10),      # checkpoint every N steps
+    "time_limit_min":         (0.0,     0.0,     0.0,     15.0,    15.0,    15.0),    # stop (final eval + checkpoint) after N minutes; 0 = no limit
+    "warmup_steps":           (0,       0,       0,       150,     600,     600),     # tiny only: format warm-up steps (valid answers, no solutions)
+    "warmup_moves":           (0,       0,       0,       4,       4,       16),      # tiny only: warm-up answers of 1..N moves (Sudoku: fills)
+    "grad_checkpoint":        (True,    True,    True,    False,   False,   False),   # activation checkpointing per decoder layer
+    "tis_cap":                (2.0,     2.0,     2.0,     0.0,     0.0,     0.0),     # truncated IS: loss x min(exp(old - sampler logp), C); 0 = off
+    "gpu_memory_utilization": (0.5,     0.5,     0.5,     0.3,     0.3,     0.3),     # vLLM's share of each GPU while awake
 }
 CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"], "preset": ["", *PRESET_NAMES], "team_mode": ["aggregate", "refine"],
            "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"],
