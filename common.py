@@ -18,16 +18,16 @@ import model as M
 # flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
 
 
-def usage(source, names, columns=None):
-    """Every flag of the `# config:` block of `source` (a script's path) with its default and its comment.
-    `columns`: {flag: "value per preset"} for the flags whose default is a preset's (train.py's PRESETS)."""
+def usage(source, names):
+    """Every flag of the `# config:` block of `source` (a script's path) with its default and its comment; a row of a
+    table of presets (`"name": (v1, v2, ...),  # comment`) shows its values in the table's order."""
     block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
     out, last = [], None
     for line in block.splitlines():
         m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line) or re.match(r'^ *"(\w+)": +\((.*?)\),\s*(?:# (.*))?$', line)
         if m and m.group(1) in names:
             name, default, comment = m.groups()
-            default = re.sub(r"\s+", " ", (columns or {}).get(name, default))
+            default = re.sub(r"\s+", " ", default)
             out.append(f"  --{name:<24} {default:<28} {comment or ''}")
             last = len(out) - 1
         elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation

@@ -23,6 +23,8 @@ hook).
 """
 import ast
 import copy
+import functools
+import hashlib
 import json
 import math
 import os
@@ -677,7 +679,6 @@ def _judge(_sol, _tests, _fn):
 
 
 def _nonce(program):
-    import hashlib
     return hashlib.sha256((_SECRET + program).encode()).hexdigest()[:32]
 
 
@@ -696,6 +697,7 @@ class _ShowValues(ast.NodeTransformer):
         return node
 
 
+@functools.lru_cache(maxsize=4096)
 def _assert_tests(test_code):
     """The tests of an assert row, with their `==` asserts reporting both values (the checker's name comes from the
     secret: a solution cannot redefine it)."""
@@ -770,8 +772,10 @@ def same_stdout_lcb(got, want):
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
-        if x != y and (_decimals(x) is None or _decimals(x) != _decimals(y)):
-            return False
+        if x != y:
+            dx = _decimals(x)
+            if dx is None or dx != _decimals(y):
+                return False
     return True
 
 
@@ -805,7 +809,7 @@ def _same_stdout(row, got, want):
     return same_stdout_lcb(got, want)
 
 
-def _actual(r, payload=None):
+def _actual(r, payload=None, harness=False):
     """What a run produced, for the agents' history: its result or output, or its error, or the timeout."""
     if r.timed_out:
         return "(timed out)"
@@ -814,7 +818,9 @@ def _actual(r, payload=None):
         return "(error) " + (lines[-1] if lines else f"exit code {r.returncode}")
     if payload is not None:
         return payload
-    return r.stdout if r.stdout.strip() else "(no output: the program ended before its tests ran)"
+    if harness:  # exit status 0 but no verdict line: it stopped itself before the tests finished
+        return "(no result: the program ended before its tests ran)"
+    return r.stdout
 
 
 def judge_timeout(row):
@@ -834,17 +840,18 @@ def run_tests(row, solution, tests, timeout=None):
                 ok = ran and json.loads(payload) == json.loads(t["output"])
             except (ValueError, TypeError):
                 ok = False
-            out.append((bool(ok), _actual(r, payload)))
+            out.append((bool(ok), _actual(r, payload, harness=True)))
         else:
             out.append((r.ok and _same_stdout(row, r.stdout, t["output"]), _actual(r)))
     return out, res
 
 
-def run_asserts(row, solution, test_code=None, timeout=None):
-    """An assert row's tests (or one tester's assert line): (passed, what happened) by the judge's harness."""
-    prog, nonce = _program(row, solution, test_code)
-    r = run_code(prog, stdin=nonce + "\n", timeout=judge_timeout(row) if timeout is None else timeout)
-    return _verdict(r, nonce)[0], r
+def run_asserts(row, solution, test_codes=(None,), timeout=None):
+    """An assert row's tests (None: the row's own; else tester assert lines), each run by the judge's harness:
+    [(passed, RunResult)]."""
+    progs = [_program(row, solution, t) for t in test_codes]
+    res = run_many([(p, n + "\n", judge_timeout(row) if timeout is None else timeout) for p, n in progs])
+    return [(_verdict(r, n)[0], r) for r, (_, n) in zip(res, progs)]
 
 
 def code_pass_rate(row, solution, tests=None, timeout=None):
@@ -856,7 +863,7 @@ def code_pass_rate(row, solution, tests=None, timeout=None):
     except (SyntaxError, ValueError):
         return 0.0, False, False
     if row["test_type"] == "code":
-        ok, r = run_asserts(row, solution, timeout=timeout)
+        (ok, r), = run_asserts(row, solution, timeout=timeout)
         return float(ok), True, "Error" not in r.stderr or ok
     tests = row["tests"] if tests is None else tests
     checks, res = run_tests(row, solution, tests, timeout)
@@ -963,11 +970,10 @@ class CodeEnv:
         if not cases or solution is None:
             return 0.0
         if self.row["test_type"] == "code":
-            progs = [_program(self.row, solution, c) for c in cases]
-            res = run_many([(p, n + "\n", judge_timeout(self.row)) for p, n in progs])
-            ok = [_verdict(r, n)[0] for r, (_, n) in zip(res, progs)]
-            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r), 300)}" for c, r, k in zip(cases, res, ok) if not k]
-            return sum(ok) / len(cases)
+            checks = run_asserts(self.row, solution, cases)
+            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r, harness=True), 300)}"
+                          for c, (ok, r) in zip(cases, checks) if not ok]
+            return sum(ok for ok, _ in checks) / len(cases)
         try:
             compile(solution, "<solution>", "exec")
         except (SyntaxError, ValueError) as e:

@@ -1725,8 +1725,8 @@ def test_code_judge_agrees_with_the_official_harnesses():
 def test_sandbox_counts_its_timeouts():
     """Programs killed at their time limit are counted (the step log's `timeouts`): a slow correct program is no longer
     a silent zero."""
-    before = E.sandbox.stats["timeouts"] if hasattr(E, "sandbox") else __import__("sandbox").stats["timeouts"]
     import sandbox
+    before = sandbox.stats["timeouts"]
     sandbox.run_code("while True:\n    pass\n", timeout=1.0, cache=False)
     sandbox.run_code("print(1)\n", timeout=5.0, cache=False)
     assert sandbox.stats["timeouts"] == before + 1

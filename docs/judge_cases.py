@@ -50,14 +50,10 @@ def _mutants(code):
     return out
 
 
-def _table_solution(row):
-    return E.table_solution(row, write=False)
-
-
 def _stdin_variants(row):
     """Outputs LCB's grader accepts though they differ from the expected text, and ones it rejects."""
     def printer(fn):
-        return _table_solution(row) + f"OUT = ({fn})(OUT)\nsys.stdout.write(OUT)\n"
+        return E.table_solution(row, write=False) + f"OUT = ({fn})(OUT)\nsys.stdout.write(OUT)\n"
     num = r"re.sub(r'\b(\d+)\b', lambda m: m.group(1) + '.0', s)"
     return {"correct": printer("lambda s: s"),
             "leading_spaces": printer("lambda s: '\\n'.join(' ' + l for l in s.split('\\n'))"),
@@ -69,7 +65,7 @@ def _stdin_variants(row):
             "exit_before_output": "import sys\nsys.exit(0)\n" + printer("lambda s: s"),
             "big_stderr": "import sys\nsys.stderr.write('x' * 2_000_000)\n" + printer("lambda s: s"),
             "slow": "import time\ntime.sleep(30)\n" + printer("lambda s: s"),
-            "for_line_in_stdin": _table_solution(row).replace("sys.stdin.read()", "''.join(line for line in sys.stdin)")
+            "for_line_in_stdin": E.table_solution(row, write=False).replace("sys.stdin.read()", "''.join(line for line in sys.stdin)")
             + "sys.stdout.write(OUT)\n"}
 
 
@@ -85,7 +81,7 @@ def cases():
                 out += [dict(bench=bench, row=row["id"], kind=k, code=c) for k, c in _stdin_variants(row).items()
                         if k != "slow" or i < 2]
                 continue
-            good = E.reference_solution(row) or _table_solution(row)
+            good = E.reference_solution(row) or E.table_solution(row, write=False)
             wrong = (row["starter_code"].rstrip() + "\n" + ("        return None\n" if "class Solution" in row["starter_code"]
                                                              else "    return None\n")) if row["starter_code"] else "pass\n"
             kinds = {"correct": good, "wrong": wrong, **{f"mutant{j}": m for j, m in enumerate(_mutants(good))},
@@ -118,7 +114,7 @@ def project_verdicts(table):
     def one(c):
         row = rows[c["row"]]
         if row["test_type"] == "code":
-            return E.run_asserts(row, c["code"])[0]
+            return E.run_asserts(row, c["code"])[0][0]
         checks, _ = E.run_tests(row, c["code"], row["tests"])
         return all(ok for ok, _ in checks)
     with ThreadPoolExecutor(16) as pool:
