@@ -259,7 +259,7 @@ def gpu_step(peak):
         s = timeit(step, 5)
         mem = torch.cuda.max_memory_allocated() / 2 ** 30
         plan = memory.plan(cfg, world=1, gpu_gb=80, n_policies=1, micro_batch_tokens=B * Tn, grad_checkpoint=ckpt, engine="torch", rows=0)
-        est = plan["totals"]["train"] - memory.CONTEXT_GIB - plan["rows"][1][1]["train"]  # allocator only, no engine
+        est = plan["totals"]["train"] - memory.context_bytes(1) / memory.GiB - plan["rows"][1][1]["train"]  # allocator only, no engine
         tok_s = B * (Tn - 1) / s
         print(json.dumps({"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
                           f"checkpointing {ckpt}, compiled {compiled}", "step_s": s, "first_step_s": first, "tokens_per_s": tok_s,
@@ -331,5 +331,11 @@ if __name__ == "__main__":
     elif which == "gpu" and len(sys.argv) > 2:
         bench_gpu(sys.argv[2])
     else:
-        {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env, "train": bench_train,
-         "gpu": bench_gpu}[which]()
+        benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
+                   "train": bench_train, "gpu": bench_gpu}
+        if which in ("-h", "--help"):
+            print(__doc__.strip())
+        elif which not in benches:
+            raise SystemExit(f"no benchmark {which!r}: one of {', '.join(benches)}")
+        else:
+            benches[which]()

@@ -18,14 +18,18 @@ What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute,
               (--pack: packed rows add only a flex BlockMask of block indices; tokens are counted as packed)
   checkpoint  states + the engine asleep (level 1: weights parked on the host) + one gathered fp32 tensor (DCP
               shards + a streamed HF export)
-plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (CONTEXT_GIB, an estimate).
+plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (context_bytes, an estimate).
 """
 from dataclasses import dataclass
 
 GiB = 2 ** 30
-CONTEXT_GIB = 1.5          # CUDA context + cuBLAS workspace + NCCL buffers: outside torch's allocator (estimate)
-SLEEPING_ENGINE_GIB = 1.0  # vLLM after sleep(level=2): weights and KV freed; CUDA-graph pool etc. remain (estimate)
-ENGINE_PROFILE_GIB = 1.0   # vLLM's own activation/sampler reserve inside its budget, besides weights and KV
+# Estimates from vLLM 0.32's and NCCL's sources and published sizes (docs/gpu.md, "Planner constants"), not measured:
+# test_vllm_sleep_update_wake_sample_cycle checks the engine's two on the first GPU with vLLM.
+CUDA_CONTEXT_GIB = 1.0     # CUDA context + cuBLAS/cuBLASLt workspaces of the trainer and the engine, outside torch's allocator
+NCCL_COMM_GIB = 1.0        # one multi-rank NCCL communicator's buffers (the trainer's and vLLM's world group: two per rank)
+SLEEPING_ENGINE_GIB = 0.5  # vLLM asleep: weights, KV, runtime and CUDA-graph pools freed or parked on the host; its
+                           # persistent input buffers and attention workspaces stay
+CUDA_GRAPHS_GIB = 0.5      # vLLM's CUDA-graph pool (capture sizes up to max_num_seqs), charged to its KV budget at start
 HEADROOM = 0.95            # use at most this share of the GPU: allocator fragmentation
 
 
@@ -95,12 +99,32 @@ def kv_bytes_per_token(cfg, b=2):
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * b
 
 
+def context_bytes(world):
+    """Outside torch's allocator on each rank: the CUDA context and GEMM workspaces, plus two multi-rank NCCL
+    communicators when world > 1 (the trainer's default group, and vLLM's world group split from it eagerly)."""
+    return (CUDA_CONTEXT_GIB + (2 * NCCL_COMM_GIB if world > 1 else 0)) * GiB
+
+
+def engine_profile_bytes(cfg, max_num_seqs, max_num_batched_tokens, b=2):
+    """What vLLM reserves inside its budget besides weights and KV (it measures this at start-up; here it is counted
+    from what it runs): the larger of its profile forward (max_num_batched_tokens tokens through one decoder layer at
+    a time: residual, normed input, qkv, attention output, gate_up and the SwiGLU product, in bf16) and its sampler
+    profile (max_num_seqs x vocab fp32 logits: ~40 bytes an entry for the scaled logits, the sort's values and int64
+    indices, softmax, cumsum and mask of top-p, the processed log-probs), plus its CUDA-graph pool. These are the
+    engine's own arguments (policies.engine_seqs, rollout.vllm_batched_tokens): the plan follows the flags."""
+    h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    forward = max_num_batched_tokens * b * (3 * h + (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + 3 * I)
+    sampler = 40 * max_num_seqs * cfg.vocab_size
+    return max(forward, sampler) + CUDA_GRAPHS_GIB * GiB
+
+
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
          gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
-         entropy=False):
+         entropy=False, engine_seqs=256, engine_tokens=10240):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: policies.PolicySwitch). `rows` is the torch engine's
-    batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU."""
+    batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU, of which its start-up reserve
+    for `engine_seqs` sequences and `engine_tokens` batched tokens is not KV cache."""
     c = counts(cfg)
     G = gpu_gb * GiB
     states = n_policies * 16 * c.total / world
@@ -115,15 +139,18 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
         awake = gpu_memory_utilization * G
         weights_only = 2 * c.total
         asleep = SLEEPING_ENGINE_GIB * GiB if sleep else awake
-        kv = awake - weights_only - ENGINE_PROFILE_GIB * GiB
+        reserve = engine_profile_bytes(cfg, engine_seqs, engine_tokens)
+        kv = awake - weights_only - reserve
+        synced = weights_only + asleep + CUDA_GRAPHS_GIB * GiB if sleep else awake  # waking the weights restores the graphs
     else:  # model.py KV-cache sampler: bf16 weights + a static cache of rows x max_model_len; never sleeps
         kv = rows * max_model_len * kv_bytes_per_token(cfg)
         awake = 2 * c.total + kv + 4 * rows * cfg.vocab_size
-        weights_only = asleep = awake
-    ctx = CONTEXT_GIB * GiB
+        weights_only = asleep = synced = awake
+        reserve = 0
+    ctx = context_bytes(world)
     table = [
         ("FSDP2 states: fp32 params+grads+AdamW, sharded (all policies; LoRA: frozen base + adapters)", dict(rollout=states, train=states, sync=states, checkpoint=states)),
-        ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=weights_only if sleep else awake, checkpoint=asleep)),
+        ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=synced, checkpoint=asleep)),
         ("unsharded bf16 units in flight (2 layers + embed/head)", dict(train=unit_params)),
         ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),
         (f"activations, {micro_batch_tokens} tok, checkpointing {'on' if grad_checkpoint else 'off'}", dict(train=act)),
@@ -140,6 +167,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
     peak, limit = tot[peak_phase], HEADROOM * G
     res = dict(rows=[(n, {p: v / GiB for p, v in d.items()}) for n, d in table], totals={p: v / GiB for p, v in tot.items()},
                peak=peak / GiB, phase=peak_phase, limit=limit / GiB, fits=peak <= limit, kv_gib=kv / GiB,
+               engine_reserve=(reserve / GiB, engine_seqs, engine_tokens) if engine == "vllm" else None,
                kv_tokens=int(kv / kv_bytes_per_token(cfg)), fix=None, act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
                act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB)
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
@@ -178,7 +206,9 @@ def format_table(res, title):
         lines.append(f"| {name} | " + " | ".join(f"{d[p]:.1f}" if p in d and d[p] else "" for p in phases) + " |")
     lines.append("| **total** | " + " | ".join(f"**{res['totals'][p]:.1f}**" for p in phases) + " |")
     lines += ["", f"activations per micro-batch: {res['act_no_ckpt']:.1f} GiB without checkpointing, {res['act_ckpt']:.1f} GiB with it",
-              f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens",
+              f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens" + (
+                  " (after vLLM's start-up reserve: {:.1f} GiB for {} sequences x {} batched tokens, and CUDA graphs)".format(
+                      *res["engine_reserve"]) if res["engine_reserve"] else ""),
               f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: " + ("fits" if res["fits"] else "DOES NOT FIT")]
     if res["fix"]:
         lines.append("fix: " + res["fix"])
@@ -193,6 +223,7 @@ def plan_for(cfg, world, gpu_gb):
     """The plan of train.py's configuration, for the largest base with every policy at that size (an upper bound
     when bases differ per role)."""
     import policies as P
+    from rollout import vllm_batched_tokens
     pols, _ = P.resolve(cfg)
     mc = max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
     lora = cfg["policies"] == "lora"
@@ -200,7 +231,8 @@ def plan_for(cfg, world, gpu_gb):
                 micro_batch_tokens=max(p.micro_batch_tokens for p in pols), grad_checkpoint=cfg["grad_checkpoint"],
                 engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
                 rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
-                entropy=cfg["entropy_coef"] > 0, pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0)
+                entropy=cfg["entropy_coef"] > 0, pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0,
+                engine_seqs=P.engine_seqs(cfg, world), engine_tokens=vllm_batched_tokens(cfg["max_model_len"]))
 
 
 def print_plan(cfg):

@@ -202,7 +202,7 @@ def build_engines(cfg, pols, models, bases, ckpt, rank):
         src = os.path.join(ckpt, f"policy-{pols[ps[0]].name}") if cfg["resume"] else b
         eng = make_engine(cfg["engine"], src, seed=cfg["seed"] + 1000 * rank, max_len=cfg["max_model_len"],
                           gpu_memory_utilization=cfg["gpu_memory_utilization"] / len(by_base), sleep_mode=True,
-                          max_num_seqs=max(16, cfg["envs_per_step"] // max(1, C.world_size()) * cfg["K"]))
+                          max_num_seqs=engine_seqs(cfg, C.world_size()))
         if len(ps) == 1:
             engines[ps[0]] = eng
             continue
@@ -211,6 +211,12 @@ def build_engines(cfg, pols, models, bases, ckpt, rank):
             engines[p] = switch.view(j)
             engines[p].sync(use_policy(models, pols, p))
     return engines
+
+
+def engine_seqs(cfg, world):
+    """The most sequences one generate call holds on a rank: one step's envs on the rank x K (at least 16). vLLM on
+    CUDA sizes its start-up profile and CUDA graphs by it, and the memory plan counts the same number."""
+    return max(16, cfg["envs_per_step"] // max(1, world) * cfg["K"])
 
 
 def use_policy(models, pols, p):

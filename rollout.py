@@ -294,6 +294,11 @@ class Engine:
         return Completion(list(ids), list(lps))
 
 
+def vllm_batched_tokens(max_len):
+    """vLLM's prefill chunk on CUDA: one full context, at least 8192 tokens."""
+    return max(max_len, 8192)
+
+
 class VLLMEngine(Engine):
     """vLLM in-process. On CUDA: sleep mode (the engine frees its weights and KV cache while the trainer runs) and
     CUDA graphs (no enforce_eager: eager decode is launch-bound, 2-4x slower). On CPU both are off and `sleep`/`wake`
@@ -319,11 +324,13 @@ class VLLMEngine(Engine):
         if self.external:
             kw["distributed_executor_backend"] = "external_launcher"
         if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
-            kw["enable_sleep_mode"] = True
+            # and the CUDA-graph pool parked on the host too (vLLM 0.32 keeps it on the GPU during sleep otherwise:
+            # `config/vllm.py` use_cumem_cudagraph_pool); any wake_up restores it with the weights, in place
+            kw.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)
         if self.cuda:  # sized for the run, not vLLM's H100 defaults (1024 sequences, 16k tokens profiled at start-up):
             # one step's calls on this rank, and a prefill chunk of one full context (verl `rollout.yaml`: max_num_seqs,
             # max_num_batched_tokens). CPU keeps vLLM's defaults: the tests' exact reproduction was measured with them
-            kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_len, 8192))
+            kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=vllm_batched_tokens(max_len))
         self.stop, self.n_tokens = _stop_ids(model_dir)
         self.max_len = max_len
         self.sleeping = set()  # sleep-mode tags currently released (CUDA only)

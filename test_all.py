@@ -727,11 +727,17 @@ def test_two_model_folders_shorter_than_the_preset_context_run(tmp_path, capsys)
 
 def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
     """On CUDA the engine gets max_num_seqs and max_num_batched_tokens sized for the run (vLLM's H100 defaults profile
-    1024 sequences x 16k tokens at start-up); on CPU vLLM's defaults stay (the exact-reproduction runs used them).
-    vLLM's LLM is replaced by a stand-in that records what it was given."""
+    1024 sequences x 16k tokens at start-up) and parks its CUDA-graph pool on the host in sleep (vLLM 0.32 keeps it on
+    the GPU otherwise); on CPU vLLM's defaults stay (the exact-reproduction runs used them). vLLM's LLM is replaced by
+    a stand-in that records what it was given; every argument is one vLLM's own EngineArgs has. The memory plan
+    reserves what those arguments make vLLM profile: the KV cache shrinks by the sampler's extra rows when a step
+    holds more sequences (it was a constant 1 GiB whatever the run)."""
+    import dataclasses
     import types
     import vllm
+    import memory
     import rollout
+    import train as T
     seen = []
 
     class FakeLLM:
@@ -744,6 +750,16 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
     rollout.VLLMEngine(tiny_dir, max_len=3000, max_num_seqs=64, sleep_mode=True)
     assert "max_num_seqs" not in seen[0] and "max_num_batched_tokens" not in seen[0]
     assert seen[1]["max_num_seqs"] == 64 and seen[1]["max_num_batched_tokens"] == 8192 and seen[1]["enable_sleep_mode"]
+    assert seen[1]["sleep_mode_offload_cudagraph"] is True
+    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    assert all(set(kw) - {"model"} <= fields for kw in seen), [set(kw) - fields for kw in seen]
+    # the plan follows the engine's arguments: 512 or 2048 envs on 8 ranks, K 4 -> 256 or 1024 sequences per call
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = M.Qwen3Config(**M.SIZES["1.7B"])
+    small, big = (memory.plan_for(T.configure(["--model", "1.7B", "--dry_run", "true", "--envs_per_step", str(e)]), 8, 80)
+                  for e in (512, 2048))
+    assert small["engine_reserve"][1:] == (256, 10240) and big["engine_reserve"][1:] == (1024, 10240)
+    assert (small["kv_gib"] - big["kv_gib"]) * 2 ** 30 == pytest.approx(40 * (1024 - 256) * cfg.vocab_size)
 
 
 def test_compiled_layers_same_loss_as_eager(tiny_dir):
@@ -785,26 +801,51 @@ def _vllm_param_sums(worker):  # runs in vLLM's worker: one number per parameter
     return {n: float(p.detach().float().sum()) for n, p in worker.model_runner.model.named_parameters()}
 
 
+def _engine_vs_plan(eng, d, free0, total):
+    """What vLLM holds asleep (GPU memory in use beyond the baseline after sleep(2): graphs, runtime, weights and KV
+    parked or freed) within the plan's sleeping engine plus the context it adds, and its KV cache within 15% of the
+    plan's (which subtracts its start-up reserve for these max_num_seqs / max_num_batched_tokens)."""
+    import memory
+    from rollout import vllm_batched_tokens
+    torch.cuda.synchronize()
+    held = (free0 - torch.cuda.mem_get_info()[0]) / 2 ** 30
+    cc = eng.llm.llm_engine.vllm_config.cache_config
+    kv_tokens = cc.num_gpu_blocks * cc.block_size
+    cfg = M.Qwen3Config.from_hf(json.load(open(os.path.join(d, "config.json"))))
+    plan = memory.plan(cfg, world=1, gpu_gb=total / 2 ** 30, n_policies=1, micro_batch_tokens=1024, grad_checkpoint=True,
+                       gpu_memory_utilization=0.3, max_model_len=1024, engine_seqs=256, engine_tokens=vllm_batched_tokens(1024))
+    print(f"vLLM asleep holds {held:.2f} GiB (plan: {memory.SLEEPING_ENGINE_GIB} + context {memory.CUDA_CONTEXT_GIB}); "
+          f"KV cache {kv_tokens} tokens (plan: {plan['kv_tokens']})")
+    assert held <= memory.SLEEPING_ENGINE_GIB + memory.CUDA_CONTEXT_GIB
+    assert 0.85 * plan["kv_tokens"] <= kv_tokens <= 1.15 * plan["kv_tokens"]
+
+
 def test_vllm_sleep_update_wake_sample_cycle(tmp_path):
     """The whole colocated cycle as one training step runs it: sleep (CUDA, level 2: weights and KV cache freed), a
     trainer update, sync (wake the weights, reload_weights from the trainer's tensors), sample (wakes the KV cache).
     After it the engine serves the trainer's weights: its per-parameter sums equal those of a fresh engine that loads
-    the same weights from disk, and both decode the same greedy tokens. On CUDA on a real-shape model (Qwen3-0.6B's
+    the same weights from disk, and both decode the same greedy tokens; on CUDA the memory plan's engine figures are
+    checked against the engine asleep and its KV cache (_engine_vs_plan). On CUDA on a real-shape model (Qwen3-0.6B's
     shape, random weights): the command a first user with a GPU runs first, python -m pytest -q test_all.py -k
     vllm_sleep; on CPU (sleep is a no-op there) on the tiny model."""
     from policies import make_engine
     cuda = torch.cuda.is_available()
     d, d2 = str(tmp_path / "m"), str(tmp_path / "m2")
     M.build_tiny(d, seed=0, size="0.6B" if cuda else "tiny", std=0.02 if cuda else 0.1, dtype=torch.bfloat16 if cuda else None)
+    if cuda:
+        torch.zeros(1, device="cuda")  # this process's CUDA context exists before the baseline
+        free0, total = torch.cuda.mem_get_info()
     eng = make_engine("vllm", d, seed=0, max_len=1024, gpu_memory_utilization=0.3, sleep_mode=True)
     prompts = [[256 + (i % 3)] + list(range(10 + i, 40 + i)) for i in range(4)]
     before = eng.generate(prompts, temperature=0.0, max_new_tokens=16)
+    eng.sleep()
+    assert eng.sleeping == ({"weights", "kv_cache"} if cuda else set())
+    if cuda:  # the planner's engine constants against this engine (the numbers calibrate memory.py if they fail)
+        _engine_vs_plan(eng, d, free0, total)
     trainer = M.load_model(d, dtype=torch.float32, device="cuda" if cuda else "cpu")
     with torch.no_grad():  # the "update": every weight moves
         for q in trainer.parameters():
             q.add_(torch.randn_like(q) * 0.05)
-    eng.sleep()
-    assert eng.sleeping == ({"weights", "kv_cache"} if cuda else set())
     eng.sync(trainer)
     after = eng.generate(prompts, temperature=0.0, max_new_tokens=16)
     assert not eng.sleeping
