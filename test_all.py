@@ -697,6 +697,9 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match="one sleep-mode engine per process"):
         T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}"])
     T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}", "--engine", "torch"])  # the torch engine is fine
+    with pytest.raises(SystemExit, match="--pack true is for CPU and the tiny model"):  # flex recompiles per length
+        T.configure(["--model", tiny_dir, "--pack", "true"])
+    T.configure(["--pack", "true"])  # the tiny model's packed run trained on an H100 (docs/gpu.md)
     # --dry_run states the optimizer steps the recipe implies (the reference's rule)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     capsys.readouterr()
@@ -706,6 +709,22 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     # a node's ranks share its cores for sandbox programs (each ran os.cpu_count() at once: 8x oversubscribed)
     import sandbox
     assert sandbox.per_rank(8, cores=16) == 2 and sandbox.per_rank(1, cores=16) == 16 and sandbox.per_rank(8, cores=4) == 2
+
+
+def test_gpus_torch_cannot_see_stop_a_real_run(tiny_dir, tmp_path, monkeypatch):
+    """A GPU node whose driver is older than torch's CUDA build: nvidia-smi lists the GPUs, torch sees none, and a real
+    model would have trained on the CPU. It stops before loading, with one line; the tiny model and --dry_run go on.
+    nvidia-smi here is a stand-in script on PATH printing what the real one prints for `-L`."""
+    import train as T
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+                                         "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    T.configure(["--model", tiny_dir])
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(SystemExit, match="nvidia-smi lists 2 GPU"):
+        T.configure(["--model", tiny_dir])
+    T.configure([])
+    T.configure(["--model", "1.7B", "--dry_run", "true"])
 
 
 @pytest.mark.slow

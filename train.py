@@ -185,6 +185,10 @@ def check(cfg):
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
                          "use --split groups")
+    if cfg["pack"] and torch.cuda.is_available() and not P.is_tiny(cfg):  # past Dynamo's recompile limit flex runs eager
+        raise SystemExit("--pack true is for CPU and the tiny model for now: on CUDA flex attention and its block mask "
+                         "compile again for every packed row length (an H100's first packed 1.7B update had not finished "
+                         "after 2 min; docs/gpu.md): drop --pack")
     named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
     if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
         raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
@@ -192,6 +196,10 @@ def check(cfg):
     if named and not cfg["dry_run"]:
         raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, or point --model "
                          "at a Qwen3 folder")
+    if not tiny and not cfg["dry_run"] and C.unseen_gpus():  # else a real model trains on the CPU, for days
+        raise SystemExit(f"nvidia-smi lists {C.unseen_gpus()} GPU(s) but torch {torch.__version__} (CUDA "
+                         f"{torch.version.cuda}) cannot use them: install a driver that serves that CUDA version, or a torch "
+                         "build for this driver, until python -c 'import torch; print(torch.cuda.is_available())' says True")
     if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
     if cfg["batch_std_steps"] < 0:
