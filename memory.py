@@ -118,9 +118,22 @@ def engine_profile_bytes(cfg, max_num_seqs, max_num_batched_tokens, b=2):
     return max(forward, sampler) + CUDA_GRAPHS_GIB * GiB
 
 
+def checkpoint_bytes(cfg, n_policies, lora_rank=0, export_bytes=2):
+    """Disk of one checkpoint (common.save_checkpoint), per policy: the HF export (export_bytes per parameter: bf16 for
+    real models; LoRA: the merged model, plus the adapter in fp32) and the DCP shards of what trains: fp32 weights and
+    AdamW's two moments, 12 bytes per parameter (LoRA: the model state holds every adapter of the shared base, the
+    optimizer this policy's). The state dict lists a tied head apart from the embedding: 4 bytes each more."""
+    c = counts(cfg)
+    tied_head = 4 * c.embed if cfg.tie_word_embeddings else 0
+    if lora_rank:
+        a = lora_count(cfg, lora_rank)
+        return n_policies * (export_bytes * c.total + 4 * a + 4 * n_policies * a + 8 * a + tied_head)
+    return n_policies * (export_bytes * c.total + 12 * c.total + tied_head)
+
+
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
          gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
-         entropy=False, engine_seqs=256, engine_tokens=10240):
+         entropy=False, engine_seqs=256, engine_tokens=10240, export_bytes=2):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: policies.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU, of which its start-up reserve
@@ -168,6 +181,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
     res = dict(rows=[(n, {p: v / GiB for p, v in d.items()}) for n, d in table], totals={p: v / GiB for p, v in tot.items()},
                peak=peak / GiB, phase=peak_phase, limit=limit / GiB, fits=peak <= limit, kv_gib=kv / GiB,
                engine_reserve=(reserve / GiB, engine_seqs, engine_tokens) if engine == "vllm" else None,
+               disk_gb=checkpoint_bytes(cfg, n_policies, lora_rank, export_bytes) / 1e9,
                kv_tokens=int(kv / kv_bytes_per_token(cfg)), fix=None, act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
                act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB)
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
@@ -209,6 +223,8 @@ def format_table(res, title):
               f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens" + (
                   " (after vLLM's start-up reserve: {:.1f} GiB for {} sequences x {} batched tokens, and CUDA graphs)".format(
                       *res["engine_reserve"]) if res["engine_reserve"] else ""),
+              f"disk per checkpoint: {res['disk_gb']:.1f} GB (HF exports + DCP shards), twice that while the next one is "
+              "written (the previous checkpoint is removed after the swap)",
               f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: " + ("fits" if res["fits"] else "DOES NOT FIT")]
     if res["fix"]:
         lines.append("fix: " + res["fix"])
@@ -232,7 +248,8 @@ def plan_for(cfg, world, gpu_gb):
                 engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
                 rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
                 entropy=cfg["entropy_coef"] > 0, pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0,
-                engine_seqs=P.engine_seqs(cfg, world), engine_tokens=vllm_batched_tokens(cfg["max_model_len"]))
+                engine_seqs=P.engine_seqs(cfg, world), engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),
+                export_bytes=4 if P.is_tiny(cfg) else 2)  # train.save: bf16 exports for real models
 
 
 def print_plan(cfg):

@@ -2533,6 +2533,19 @@ def test_train_smoke_every_combination(task, tmp_path):
                 assert all(f"grad_norm_p{p}" in rec[-1] for p in range(n_pol))
 
 
+def _checkpoint_bytes(ck):
+    """Bytes a checkpoint holds: its safetensors files, and the tensors its DCP metadata lists (the tiny model's many
+    small tensors make the .distcp files' per-tensor framing a third of them; on real shapes it is noise)."""
+    import math
+    import torch.distributed.checkpoint as dcp
+    n = sum(f.stat().st_size for f in ck.rglob("*.safetensors"))
+    for d in ck.glob("train-*"):
+        for v in dcp.FileSystemReader(str(d)).read_metadata().state_dict_metadata.values():
+            if hasattr(v, "size"):
+                n += math.prod(v.size) * v.properties.dtype.itemsize
+    return n
+
+
 def test_train_real_model_path(tiny_dir, tmp_path):
     """--model pointing at a saved tiny checkpoint goes through the real-model path (no compact task, no warm-up)."""
     import train as T
@@ -2543,6 +2556,11 @@ def test_train_real_model_path(tiny_dir, tmp_path):
     ck = tmp_path / "r" / "ckpt" / "policy-tool+plan"
     assert M.load_model(str(ck)).num_params() == M.load_model(tiny_dir).num_params()
     hf_model(str(ck))  # transformers loads the checkpoint as it is
+    # the memory plan's disk per checkpoint is what was written: the bf16 export and the DCP shards (within 3%)
+    import memory
+    written = _checkpoint_bytes(tmp_path / "r" / "ckpt")
+    planned = memory.plan_for(T.configure(["--model", tiny_dir, "--dry_run", "true"]), 1, 80)["disk_gb"] * 1e9
+    assert abs(written - planned) <= 0.03 * written, (written, planned)
 
 
 def test_help_lists_every_flag_with_default_and_comment(capsys):
@@ -2769,6 +2787,11 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path):
         with torch.no_grad():
             pm = PeftModel.from_pretrained(hf_model(base), pa).eval()
             assert (pm(ids).logits - merged(ids)).abs().max().item() < 1e-4, role
+    # the memory plan's disk per checkpoint is what was written: merged fp32 exports, fp32 adapters, DCP (within 3%)
+    import memory
+    written = _checkpoint_bytes(tmp_path / "a" / "ckpt")
+    planned = memory.plan_for(T.configure(args + ["--dry_run", "true"]), 1, 80)["disk_gb"] * 1e9
+    assert abs(written - planned) <= 0.03 * written, (written, planned)
 
 
 def _run(args, timeout=600, env_extra=None, merge=False):
