@@ -131,6 +131,17 @@ def checkpoint_bytes(cfg, n_policies, lora_rank=0, export_bytes=2):
     return n_policies * (export_bytes * c.total + 12 * c.total + tied_head)
 
 
+def host_bytes(cfg, n_policies, engine="vllm"):
+    """Host (CPU) memory per rank, beyond the process itself: (load, steady, checkpoint).
+    load        each rank reads each base itself: the fp32 model (4 N), the file's bf16 tensors (2 N) and the file's
+                pages mapped while they are read (up to 2 N): 8 N, one model at a time (measured: 7.1 N)
+    steady      policies sharing one engine keep their weights on the host in the engine's dtype (PolicySwitch): 2 N each
+    checkpoint  + the engine's weights parked on the host by vLLM's level-1 sleep (2 N, pinned)"""
+    n = counts(cfg).total
+    steady = 2 * n * n_policies if n_policies > 1 else 0
+    return 8 * n, steady, steady + (2 * n if engine == "vllm" else 0)
+
+
 def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
          gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
          entropy=False, engine_seqs=256, engine_tokens=10240, export_bytes=2):
@@ -182,6 +193,7 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
                peak=peak / GiB, phase=peak_phase, limit=limit / GiB, fits=peak <= limit, kv_gib=kv / GiB,
                engine_reserve=(reserve / GiB, engine_seqs, engine_tokens) if engine == "vllm" else None,
                disk_gb=checkpoint_bytes(cfg, n_policies, lora_rank, export_bytes) / 1e9,
+               host_gb=[b / 1e9 for b in host_bytes(cfg, n_policies, engine)], node_ranks=min(world, 8),
                kv_tokens=int(kv / kv_bytes_per_token(cfg)), fix=None, act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
                act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB)
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
@@ -225,6 +237,8 @@ def format_table(res, title):
                       *res["engine_reserve"]) if res["engine_reserve"] else ""),
               f"disk per checkpoint: {res['disk_gb']:.1f} GB (HF exports + DCP shards), twice that while the next one is "
               "written (the previous checkpoint is removed after the swap)",
+              "host memory per rank: {:.1f} GB while loading, {:.1f} GB steady, {:.1f} GB at a checkpoint (x{} ranks per "
+              "node)".format(*res["host_gb"], res["node_ranks"]),
               f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: " + ("fits" if res["fits"] else "DOES NOT FIT")]
     if res["fix"]:
         lines.append("fix: " + res["fix"])

@@ -265,6 +265,7 @@ class PolicySwitch:
         self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
 
     def store(self, p, model):
+        self.host[p] = None  # the old copy goes first: one host copy per policy at any time, never two (8B: 16 GB each)
         self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, self.engine.dtype)]
         if p == self.loaded:
             self.engine.load(self.host[p])

@@ -2474,6 +2474,58 @@ def test_policy_switch_over_the_scripted_engine(tiny_dir):
     assert len(sw.view(1).generate([[257, 65]], n=2, max_new_tokens=4)[0]) == 2
 
 
+def test_policy_switch_frees_the_old_copy_before_the_new_one(tiny_dir, monkeypatch):
+    """Storing a policy's new weights drops its old host copy before the first new tensor exists, so a rank holds one
+    host copy per policy, not two at each sync (8B per_role: 16 GB of host memory per rank, x8 ranks per node).
+    Checked with a weak reference to an old tensor, read when the new copy's first tensor arrives."""
+    import weakref
+    import policies as P
+
+    class Engine:  # a bf16 engine: the host copies are new tensors, not views of the model's
+        dtype = torch.bfloat16
+
+        def load(self, weights):
+            pass
+    sw = P.PolicySwitch(Engine(), 2)
+    m = M.load_model(tiny_dir)
+    sw.store(0, m)
+    old = weakref.ref(sw.host[0][0][1])
+    alive = []
+    real = P.iter_hf_state
+
+    def watched(model, dtype):
+        for i, kv in enumerate(real(model, dtype)):
+            if i == 0:
+                alive.append(old() is not None)
+            yield kv
+    monkeypatch.setattr(P, "iter_hf_state", watched)
+    sw.store(0, m)
+    assert alive == [False] and sw.host[0][0][1].dtype == torch.bfloat16
+    # the memory plan's steady host memory is what the copies hold
+    import memory
+    sw.store(1, m)
+    held = sum(v.numel() * v.element_size() for copy in sw.host for _, v in copy)
+    assert held == memory.host_bytes(m.config, 2)[1]
+
+
+def test_planned_host_memory_of_loading_a_model_vs_measured(tmp_path):
+    """The plan's host memory while a rank loads a base (memory.host_bytes: 8 bytes per parameter) against the peak
+    resident memory a fresh process adds loading a 142M-parameter bf16 checkpoint: at most the plan, and not far below
+    it (measured 7.1 bytes per parameter)."""
+    import memory
+    d = str(tmp_path / "m")
+    M.build_tiny(d, seed=0, dtype=torch.bfloat16, vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                 num_attention_heads=8, num_key_value_heads=8, head_dim=128, num_hidden_layers=8)
+    code = ("import resource, sys, torch, safetensors.torch, model as M\n"
+            "base = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
+            f"m = M.load_model({d!r})\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, check=True).stdout
+    added = int(out.split()[-1])
+    planned = memory.host_bytes(M.load_model(d).config, 1)[0]
+    assert 0.75 * planned <= added <= planned, (added, planned)
+
+
 @pytest.mark.slow
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
     """Code, math, and a math team of 2 + 2 + 1 (one turn; refine and aggregate) driven by the scripted policy: its
