@@ -2516,10 +2516,12 @@ def test_planned_host_memory_of_loading_a_model_vs_measured(tmp_path):
     d = str(tmp_path / "m")
     M.build_tiny(d, seed=0, dtype=torch.bfloat16, vocab_size=32000, hidden_size=1024, intermediate_size=3072,
                  num_attention_heads=8, num_key_value_heads=8, head_dim=128, num_hidden_layers=8)
-    code = ("import resource, sys, torch, safetensors.torch, model as M\n"
-            "base = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
-            f"m = M.load_model({d!r})\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)")
+    # the peak is VmHWM, reset after the imports (ru_maxrss would start at this forking process's size)
+    code = ("import torch, safetensors.torch, model as M\n"
+            "kb = lambda f: next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(f))\n"
+            "open('/proc/self/clear_refs', 'w').write('5')\n"
+            f"base = kb('VmRSS'); m = M.load_model({d!r})\n"
+            "print((kb('VmHWM') - base) * 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, check=True).stdout
     added = int(out.split()[-1])
     planned = memory.host_bytes(M.load_model(d).config, 1)[0]
