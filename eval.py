@@ -165,14 +165,14 @@ FLAGS = {  # name: (default, what it does); a list default means the flag repeat
     "temperature": (None, "0.6 for math, else 0 (greedy)"),
     "split": ("test", "only the test split is evaluated here"),
     "limit": (None, "evaluate the first N instances only (default: all; games: 200 test seeds for tiny models, as train.py, else 100)"),
-    "turns": (4, "max turns per episode"),
+    "turns": (None, "max turns per episode: the reference's evaluation scripts (games 3, code 5, math 5); tiny models 4"),
     "thinking": ("false", "true: Qwen3's chat-template thinking on (as the run was trained; train.py --thinking)"),
     "engine": ("vllm", "vllm | torch (the pure-torch sampler)"),
     "out": (None, "write OUT.json and OUT.md (with --plot: the png)"),
     "files": ([], "code/math: test jsonl files (shipped paths or your own in the same schema); default: all of the task's"),
     "compact": (None, "true/false: the compact game prompts; default: true for tiny models"),
-    "max_new_tokens": (None, "response budget per call: the compact answer's length for tiny models (8; Sudoku 17), else 4096"),
-    "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192"),
+    "max_new_tokens": (None, "response budget per call: the compact answer's length for tiny models (8; Sudoku 17), else 8192 (the reference's)"),
+    "max_model_len": (None, "engine context: 512 for tiny models, else max_new_tokens + 8192 (at most the model's context)"),
 }
 
 
@@ -201,6 +201,40 @@ def parse_args(argv):
             a[name] = val
         i += 1
     return a
+
+
+# Real models: the reference's evaluation scripts (pettingllms 4362c77 scripts/evaluate/{stateful,code,math}/evaluate_L1.sh:
+# MAX_TURNS 3 / 5 / 5, MAX_RESPONSE_LENGTH 8192), and SPEC §7's math sampling (docs/paper_preset.md says why).
+# Tiny models: train.py's tiny presets (4 turns, the compact answer's length).
+EVAL_TURNS = {"plan": 3, "sokoban": 3, "sudoku": 3, "code": 5, "math": 5}
+EVAL_RESPONSE_TOKENS = 8192
+
+
+def protocol(a, task, tiny):
+    """(k, temperature, turns, max_new_tokens): the flags given, else the defaults above."""
+    is_math = task == "math"
+    k = int(a["k"] or (4 if is_math else 1))
+    temp = float(a["temperature"] if a["temperature"] is not None else (0.6 if is_math else 0.0))
+    if k > 1 and temp == 0.0:
+        raise SystemExit(f"--k {k} with greedy decoding gives k identical samples: set --temperature (paper: 0.6)")
+    turns = int(a["turns"] or (4 if tiny else EVAL_TURNS[task]))
+    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, 8) if tiny else EVAL_RESPONSE_TOKENS))
+    return k, temp, turns, max_new
+
+
+def budgets(a, tiny, max_new, context):
+    """(engine context, prompt budget, response budget): 512 / 256 for tiny models, else the response budget + 8192
+    prompt tokens; never above the models' context (vLLM refuses a longer max_model_len): the prompt gives way first,
+    down to half, as in train.py."""
+    max_len, prompt = int(a["max_model_len"] or (512 if tiny else max_new + 8192)), 256 if tiny else 8192
+    if max_len > context:
+        print(f"note: max_model_len {max_len} is above the model's context ({context} tokens): using {context}")
+        max_len = context
+    if prompt + max_new > max_len:
+        fit = max(max_len // 2, max_len - max_new)
+        print(f"note: {prompt} prompt + {max_new} response tokens exceed max_model_len {max_len}: using {fit} + {max_len - fit}")
+        prompt, max_new = fit, max_len - fit
+    return max_len, prompt, max_new
 
 
 def main(argv):
@@ -232,16 +266,12 @@ def main(argv):
             raise SystemExit(f"model for role {r!r} not found: {p!r} has no config.json (a HF folder or a train.py ckpt/policyN)")
     if a["split"] != "test":
         raise SystemExit("--split: only 'test' is evaluated here (training instances are generated or drawn by train.py)")
-    is_math = task == "math"
-    k = int(a["k"] or (4 if is_math else 1))
-    temp = float(a["temperature"] if a["temperature"] is not None else (0.6 if is_math else 0.0))
-    if k > 1 and temp == 0.0:
-        raise SystemExit(f"--k {k} with greedy decoding gives k identical samples: set --temperature (paper: 0.6)")
     # a model trained by the embedded default plays the compact game; real checkpoints the full prompts
-    cfg = json.load(open(os.path.join(next(iter(paths.values())), "config.json")))
-    tiny = cfg.get("vocab_size", 0) < 1000
+    cfgs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
+    tiny = cfgs[0].get("vocab_size", 0) < 1000
+    k, temp, turns, max_new = protocol(a, task, tiny)
+    max_len, max_prompt, max_new = budgets(a, tiny, max_new, min(c.get("max_position_embeddings", 40960) for c in cfgs))
     compact = tiny and task in ("plan", "sokoban", "sudoku") if a["compact"] is None else a["compact"].lower() in ("1", "true")
-    max_new = int(a["max_new_tokens"] or (E.COMPACT_ANSWER_TOKENS.get(task, 8) if tiny else 4096))
     limit = int(a["limit"]) if a["limit"] else None
     n_games = 200 if tiny else 100  # train.py's --eval_n of its tiny and paper presets
     test_envs = E.test_set(task, n=n_games, compact=compact, workflow=workflow, files=a["files"] or None, limit=limit, team=team)
@@ -250,11 +280,11 @@ def main(argv):
     from policies import make_engine
     from rollout import Agents
     uniq = sorted(set(paths.values()))
-    engines = [make_engine(a["engine"], p, seed=0, max_len=int(a["max_model_len"] or (512 if tiny else max_new + 8192))) for p in uniq]
+    engines = [make_engine(a["engine"], p, seed=0, max_len=max_len) for p in uniq]
     agents = Agents(AutoTokenizer.from_pretrained(uniq[0]), engines, {r: uniq.index(p) for r, p in paths.items()},
-                    max_prompt_tokens=256 if tiny else 8192, thinking=a["thinking"].lower() in ("1", "true", "yes"))
-    res = evaluate(test_envs, agents, int(a["turns"]), k=k, temperature=temp, max_new_tokens=max_new, progress=True)
-    proto = f"{task}, {workflow}, {'greedy' if temp == 0 else f'T={temp}'}, k={k}, turns={a['turns']}, n={res['n']}"
+                    max_prompt_tokens=max_prompt, thinking=a["thinking"].lower() in ("1", "true", "yes"))
+    res = evaluate(test_envs, agents, turns, k=k, temperature=temp, max_new_tokens=max_new, progress=True)
+    proto = f"{task}, {workflow}, {'greedy' if temp == 0 else f'T={temp}'}, k={k}, turns={turns}, n={res['n']}"
     res.update(task=task, workflow=workflow, policies=paths, protocol=proto)
     md = markdown(res, f"{task} ({proto}); " + ", ".join(f"{r}={p}" for r, p in paths.items()))
     print(md)

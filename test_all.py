@@ -3114,6 +3114,24 @@ def test_wilson_interval_known_case():
     assert V.wilson(0, 20)[0] == 0.0 and V.wilson(20, 20)[1] == 1.0
 
 
+def test_eval_protocol_defaults_follow_the_reference_scripts():
+    """eval.py's defaults for a real model are the reference's evaluation scripts (pettingllms 4362c77
+    scripts/evaluate/stateful/evaluate_L1.sh:46,50 MAX_TURNS=3, MAX_RESPONSE_LENGTH=8192; code/evaluate_L1.sh:57-58 and
+    math/evaluate_L1.sh:46,51 MAX_TURNS=5, 8192), math sampled as SPEC §7 says (0.6, k = 4); they were 4 turns and
+    4096 tokens for every task. Tiny models keep train.py's tiny presets; a flag given wins."""
+    args = lambda *extra: V.parse_args(["--task", "plan", *extra])
+    assert [V.protocol(args(), t, tiny=False) for t in ("plan", "sokoban", "sudoku", "code", "math")] == [
+        (1, 0.0, 3, 8192), (1, 0.0, 3, 8192), (1, 0.0, 3, 8192), (1, 0.0, 5, 8192), (4, 0.6, 5, 8192)]
+    assert V.protocol(args(), "plan", tiny=True) == (1, 0.0, 4, E.COMPACT_ANSWER_TOKENS["plan"])
+    assert V.protocol(args("--turns", "4", "--max_new_tokens", "2048"), "plan", tiny=False) == (1, 0.0, 4, 2048)
+    with pytest.raises(SystemExit, match="identical samples"):
+        V.protocol(args("--k", "4"), "plan", tiny=False)
+    # a model whose context is below 8192 + 8192: clamped, the prompt giving way first (vLLM would refuse the engine)
+    assert V.budgets(args(), False, 8192, 40960) == (16384, 8192, 8192)
+    assert V.budgets(args(), False, 8192, 2048) == (2048, 1024, 1024)
+    assert V.budgets(args(), True, 8, 2048) == (512, 256, 8)
+
+
 def test_eval_bad_input_fails_before_loading(tmp_path, tiny_dir):
     for argv, msg in [(["--task", "chess", "--model", tiny_dir], "unknown task"),
                       (["--task", "plan", "--model", str(tmp_path / "missing")], "not found"),
