@@ -841,7 +841,8 @@ def _engine_vs_plan(eng, d, free0, total):
 
 def test_vllm_sleep_update_wake_sample_cycle(tmp_path):
     """The whole colocated cycle as one training step runs it: sleep (CUDA, level 2: weights and KV cache freed), a
-    trainer update, sync (wake the weights, reload_weights from the trainer's tensors), sample (wakes the KV cache).
+    trainer update, sync (wake the weights, reload_weights from the trainer's tensors), sample (wakes the KV cache),
+    then a checkpoint's level-1 sleep and wake (the same tokens again).
     After it the engine serves the trainer's weights: its per-parameter sums equal those of a fresh engine that loads
     the same weights from disk, and both decode the same greedy tokens; on CUDA the memory plan's engine figures are
     checked against the engine asleep and its KV cache (_engine_vs_plan). On CUDA on a real-shape model (Qwen3-0.6B's
@@ -868,6 +869,8 @@ def test_vllm_sleep_update_wake_sample_cycle(tmp_path):
     eng.sync(trainer)
     after = eng.generate(prompts, temperature=0.0, max_new_tokens=16)
     assert not eng.sleeping
+    eng.sleep(level=1)  # a checkpoint's sleep: weights (and CUDA graphs) parked on the host, restored by the next call
+    assert [c[0].ids for c in eng.generate(prompts, temperature=0.0, max_new_tokens=16)] == [c[0].ids for c in after]
     sums = eng.llm.collective_rpc(_vllm_param_sums)[0]
     eng.close()
     M.save_model(trainer, d2, dtype=torch.bfloat16 if cuda else None)
