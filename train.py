@@ -196,8 +196,8 @@ def check(cfg):
     if named and not cfg["dry_run"]:
         raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, or point --model "
                          "at a Qwen3 folder")
-    if not tiny and not cfg["dry_run"] and C.unseen_gpus():  # else a real model trains on the CPU, for days
-        raise SystemExit(f"nvidia-smi lists {C.unseen_gpus()} GPU(s) but torch {torch.__version__} (CUDA "
+    if not tiny and not cfg["dry_run"] and (unseen := C.unseen_gpus()):  # else a real model trains on the CPU, for days
+        raise SystemExit(f"nvidia-smi lists {unseen} GPU(s) but torch {torch.__version__} (CUDA "
                          f"{torch.version.cuda}) cannot use them: install a driver that serves that CUDA version, or a torch "
                          "build for this driver, until python -c 'import torch; print(torch.cuda.is_available())' says True")
     if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
