@@ -74,6 +74,21 @@ def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
     return given
 
 
+def fit_context(max_len, prompt, new, context):
+    """(max_model_len, prompt budget, response budget) that fit the model's context: max_model_len never above it
+    (vLLM refuses the engine otherwise), and prompt + response within max_model_len, the prompt giving way first,
+    down to half. Each change printed in one line. train.py and eval.py both size their engines with it."""
+    if max_len > context:
+        print(f"note: --max_model_len {max_len} is above the model's context ({context} tokens): using {context}")
+        max_len = context
+    if prompt + new > max_len:
+        fit = max(max_len // 2, max_len - new)
+        print(f"note: {prompt} prompt + {new} response tokens (--max_new_tokens) exceed --max_model_len {max_len}: "
+              f"using {fit} + {max_len - fit}")
+        prompt, new = fit, max_len - fit
+    return max_len, prompt, new
+
+
 # -----------------------------------------------------------------------------
 # torchrun and collectives (every collective is called by every rank in the same order)
 

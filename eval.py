@@ -224,17 +224,9 @@ def protocol(a, task, tiny):
 
 def budgets(a, tiny, max_new, context):
     """(engine context, prompt budget, response budget): 512 / 256 for tiny models, else the response budget + 8192
-    prompt tokens; never above the models' context (vLLM refuses a longer max_model_len): the prompt gives way first,
-    down to half, as in train.py."""
-    max_len, prompt = int(a["max_model_len"] or (512 if tiny else max_new + 8192)), 256 if tiny else 8192
-    if max_len > context:
-        print(f"note: max_model_len {max_len} is above the model's context ({context} tokens): using {context}")
-        max_len = context
-    if prompt + max_new > max_len:
-        fit = max(max_len // 2, max_len - max_new)
-        print(f"note: {prompt} prompt + {max_new} response tokens exceed max_model_len {max_len}: using {fit} + {max_len - fit}")
-        prompt, max_new = fit, max_len - fit
-    return max_len, prompt, max_new
+    prompt tokens, fitted to the models' context as train.py fits them (common.fit_context)."""
+    from common import fit_context
+    return fit_context(int(a["max_model_len"] or (512 if tiny else max_new + 8192)), 256 if tiny else 8192, max_new, context)
 
 
 def main(argv):

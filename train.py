@@ -147,15 +147,8 @@ def configure(argv):
                          f"(not {cfg['scale_rewards']}), or drop --batch_std_steps")
     check(cfg)
     context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
-    if cfg["max_model_len"] > context:  # vLLM would die on it inside its config validation
-        print(f"note: --max_model_len {cfg['max_model_len']} is above the model's context ({context} tokens): using {context}")
-        cfg["max_model_len"] = context
-    if cfg["max_prompt_tokens"] + cfg["max_new_tokens"] > cfg["max_model_len"]:  # the prompt gives way first, to half
-        n = cfg["max_model_len"]
-        prompt = max(n // 2, n - cfg["max_new_tokens"])
-        print(f"note: --max_prompt_tokens {cfg['max_prompt_tokens']} + --max_new_tokens {cfg['max_new_tokens']} exceed "
-              f"--max_model_len {n}: using {prompt} + {n - prompt}")
-        cfg["max_prompt_tokens"], cfg["max_new_tokens"] = prompt, n - prompt
+    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = C.fit_context(
+        cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"], context)
     return cfg
 
 
