@@ -18,21 +18,38 @@ import model as M
 # flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
 
 
-def usage(source, names):
-    """Every flag of the `# config:` block of `source` (a script's path) with its default and its comment; a row of a
-    table of presets (`"name": (v1, v2, ...),  # comment`) shows its values in the table's order."""
+def usage(source, defaults, presets=None):
+    """Every flag of the `# config:` block of `source` (a script's path): its default, its comment, and
+    the presets that give it another value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
     block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
     out, last = [], None
     for line in block.splitlines():
-        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line) or re.match(r'^ *"(\w+)": +\((.*?)\),\s*(?:# (.*))?$', line)
-        if m and m.group(1) in names:
+        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
+        if m and m.group(1) in defaults:
             name, default, comment = m.groups()
-            default = re.sub(r"\s+", " ", default)
-            out.append(f"  --{name:<24} {default:<28} {comment or ''}")
+            note = preset_note(name, defaults[name], presets or {})
+            out.append(f"  --{name:<24} {default:<10} {comment or ''}{note}")
             last = len(out) - 1
         elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
             out[last] += " " + line.strip()[2:]
     return "\n".join(out)
+
+
+def preset_note(name, default, presets):
+    """The presets that give flag `name` another value, grouped by value; a family of presets that all
+    agree (tiny, tiny-sokoban, tiny-sudoku) shows as one name with a star: " [tiny* 16]"."""
+    by_value = {}
+    for p, overrides in presets.items():
+        if name in overrides and overrides[name] != default:
+            by_value.setdefault(repr(overrides[name]), []).append(p)
+    parts = []
+    for value, names in by_value.items():
+        for family in {p.split("-")[0] for p in presets}:
+            members = [p for p in presets if p.split("-")[0] == family]
+            if len(members) > 1 and all(m in names for m in members):
+                names = [family + "*"] + [n for n in names if n not in members]
+        parts.append(f"{', '.join(names)} {value}")
+    return f" [{'; '.join(parts)}]" if parts else ""
 
 
 def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
@@ -241,8 +258,10 @@ class Start:
     metrics_lines: int = 0     # metrics.jsonl lines the checkpoint had written (later ones are dropped)
 
 
-CODE_FILES = ("train.py", "grpo_mas.py", "rollout.py", "envs.py", "model.py", "policies.py", "tiny.py", "common.py",
-              "eval.py", "memory.py")
+def code_files():
+    """Every module of the project (its top-level .py files but the tests): the run folder keeps a copy."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return sorted(f for f in os.listdir(here) if f.endswith(".py") and not f.startswith("test"))
 
 
 def open_run(cfg, pols, master):
@@ -257,8 +276,9 @@ def open_run(cfg, pols, master):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2)
-        for src in CODE_FILES:
-            shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), src), os.path.join(out, src + ".txt"))
+        here = os.path.dirname(os.path.abspath(__file__))
+        for src in code_files():
+            shutil.copy(os.path.join(here, src), os.path.join(out, src + ".txt"))
         metrics_path = os.path.join(out, "metrics.jsonl")
         lines = open(metrics_path).readlines()[:start.metrics_lines] if cfg["resume"] and os.path.exists(metrics_path) else []
         open(metrics_path, "w").writelines(lines)

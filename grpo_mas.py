@@ -1,29 +1,18 @@
 """
 Grouping, advantages and the PPO-clip loss for multi-agent GRPO. Pure functions; imports torch only.
 
-The three algorithms differ only in two things, both visible in `KEYS` below:
-  which samples share a baseline (the group key), and what scalar is normalized inside the group.
+The three algorithms differ only in two things, both dictionaries below (docs/method.md, "Groups"):
+which samples share a baseline (the group key, `KEYS`), and what scalar is normalized inside the group (`VALUE`).
 
-    algo      group key                 normalized value                      statistics over
-    at_grpo   (env, agent, turn)        the call's reward a*team + local      the K sibling candidates (tree)
-    grpo      (env,)                    the agent's trajectory return         the K trajectories x agents
-    dr_mas    (env, agent)              the call's reward a*team + local      that agent's calls, all turns, K trajectories
+    algo      group key             normalized value                   statistics over
+    at_grpo   (env, agent, turn)    the call's reward a*team + local   the K sibling candidates (tree)
+    grpo      (env,)                the agent's trajectory return      the K trajectories x agents
+    dr_mas    (env, agent)          the call's reward a*team + local   that agent's calls, all turns, K trajectories
 
-    A = (x - mean(x)) / (std(x) + 1e-6)       std: population std over the group's units
-    A = x - mean(x)                           scale="none" (Dr. GRPO; TRL scale_rewards="none", verl
-                                              norm_adv_by_std_in_grpo=False): a group whose rewards differ by
-                                              0.01 is not blown up to the same +-1 as one that differs by 10
-    A = (x - mean(x)) / (std_batch + 1e-6)    scale="batch" (TRL scale_rewards="batch"; "Lite PPO", Liu et al.
-                                              2025): the group's mean, one std over every unit of the step on
-                                              every rank, so advantages keep a unit scale without that blow-up
-    A = (x - mean(x)) / (max(std, floor) + 1e-6)   std_floor > 0 (with group or batch): a std under the floor is
-                                              taken as the floor, so a group whose rewards differ by a wall bump
-                                              (0.1) is not blown up to +-1.7 while one that differs by reaching
-                                              the goal (std ~0.5-1) keeps the paper's unit scale
-
-For `grpo` the return of a sample is the sum of its own agent's per-call rewards over its trajectory (team term
-included), and a group's statistics are taken over the distinct (trajectory, agent) returns, so a trajectory is
-not counted once per turn. One baseline across agents with different reward scales is exactly what Dr. MAS fixes.
+    A = (value - mean) / (std + 1e-6)    --scale_rewards group: the group's population std (the paper)
+    A = value - mean                     --scale_rewards none (Dr. GRPO)
+    A = (value - mean) / (std_step + 1e-6)   --scale_rewards batch: one std over every unit of the step
+    --std_floor f: a std below f counts as f, so tiny reward differences are not blown up to +-1
 """
 import functools
 import math
@@ -35,51 +24,62 @@ import torch
 # -----------------------------------------------------------------------------
 # groups and advantages
 
-KEYS = {
+KEYS = {  # which samples share a baseline
     "at_grpo": lambda s: (s.env, s.role, s.turn),
     "grpo": lambda s: (s.env,),
     "dr_mas": lambda s: (s.env, s.role),
 }
-VALUE = {  # (unit, value): statistics are over distinct units
-    "at_grpo": lambda s: (id(s), s.reward),
-    "grpo": lambda s: ((s.traj, s.role), s.ret),
-    "dr_mas": lambda s: (id(s), s.reward),
+VALUE = {  # what is normalized inside the group
+    "at_grpo": lambda s: s.reward,
+    "grpo": lambda s: s.ret,
+    "dr_mas": lambda s: s.reward,
 }
+SCALES = ("group", "none", "batch")
 
 
-def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6, std_floor=0.0):
-    """Sets s.adv on every sample; returns (kept samples, diagnostics). The one explicit dict-keyed loop.
-    `scale`: "group" divides by the group's std (GRPO), "none" only subtracts its mean (Dr. GRPO), "batch" divides by
-    the std of every unit of the step; `all_sum` sums a list of floats over ranks (each rank holds its own envs);
-    `std_floor`: the least std either divides by, in reward units (0 = the paper)."""
+def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6,
+                       std_floor=0.0):
+    """Sets s.adv on every sample; returns (the samples kept for training, diagnostics).
+    `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
     if algo not in KEYS:
         raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
-    if scale not in ("group", "none", "batch"):
+    if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
     if not std_floor >= 0.0:
-        raise ValueError(f"std_floor {std_floor!r} must be >= 0: use --std_floor 0 (off) or a reward-unit floor such as 0.25")
+        raise ValueError(f"std_floor {std_floor!r} must be >= 0: use --std_floor 0 (off) or a reward-unit floor "
+                         "such as 0.25")
+    # 1. the groups: the samples that share a baseline
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
-    units = {key: list(dict(VALUE[algo](s) for s in g).values()) for key, g in groups.items()}
-    batch_sd = 0.0
-    if scale == "batch":  # population std of every unit's value on every rank
-        vals = [v for x in units.values() for v in x]
-        n, s1, s2 = all_sum([float(len(vals)), sum(vals), sum(v * v for v in vals)])
-        batch_sd = math.sqrt(max(0.0, s2 / max(n, 1.0) - (s1 / max(n, 1.0)) ** 2))
+    # 2. each group's values, one per unit the statistics count (grpo: one return per trajectory and agent)
+    values = {key: group_values(group, algo) for key, group in groups.items()}
+    # 3. scale "batch": the population std of every value of the step, on every rank
+    batch_std = 0.0
+    if scale == "batch":
+        every = [v for vs in values.values() for v in vs]
+        n, total, squares = all_sum([float(len(every)), sum(every), sum(v * v for v in every)])
+        n = max(n, 1.0)
+        batch_std = math.sqrt(max(0.0, squares / n - (total / n) ** 2))
+    # 4. A = (value - the group's mean) / its divisor
     kept, zero_var, sizes = [], 0, []
-    for key, g in groups.items():
-        x = units[key]
-        mu = sum(x) / len(x)
-        sd = math.sqrt(sum((v - mu) ** 2 for v in x) / len(x))
-        sizes.append(len(g))
-        if sd < 1e-12:
+    for key, group in groups.items():
+        x = values[key]
+        mean = sum(x) / len(x)
+        std = math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
+        if scale == "none":
+            divisor = 1.0
+        elif scale == "group":
+            divisor = max(std, std_floor) + eps
+        else:
+            divisor = max(batch_std, std_floor) + eps
+        for s in group:
+            s.adv = (VALUE[algo](s) - mean) / divisor
+        sizes.append(len(group))
+        if std < 1e-12:  # all K equal: advantage 0, no signal
             zero_var += 1
-        div = 1.0 if scale == "none" else max(sd if scale == "group" else batch_sd, std_floor) + eps
-        for s in g:
-            s.adv = (VALUE[algo](s)[1] - mu) / div
-        if not (drop_zero_var and sd < 1e-12):
-            kept += g
+        if not (drop_zero_var and std < 1e-12):
+            kept += group
     diag = {"groups": len(groups), "zero_var_frac": zero_var / max(1, len(groups)),
             "group_size": sum(sizes) / max(1, len(sizes)), "dropped": len(samples) - len(kept)}
     advs = [s.adv for s in kept]
@@ -87,6 +87,17 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         m = sum(advs) / len(advs)
         diag.update(adv_mean=m, adv_std=math.sqrt(sum((a - m) ** 2 for a in advs) / len(advs)))
     return kept, diag
+
+
+def group_values(group, algo):
+    """The values a group's mean and std are taken over: one per sample, except for grpo, where an agent's return
+    is the same on each of its turns and counts once per (trajectory, agent)."""
+    if algo != "grpo":
+        return [VALUE[algo](s) for s in group]
+    returns = {}
+    for s in group:
+        returns.setdefault((s.traj, s.role), s.ret)
+    return list(returns.values())
 
 
 def trajectory_returns(samples):
@@ -256,47 +267,51 @@ DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| above this is clamped (verl `verl/trainer/ppo/core_algos.py`: [-20, 20])
 
 
-def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None, kl_coef=0.0,
-             sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
-    """Token-level PPO-clip with dual clip, summed and divided by `n_tokens` (the response-token count of the
-    whole optimizer step across all ranks), so the gradient does not depend on how samples are split into
-    micro-batches or ranks. Shapes: logp/old_logp/mask/ref_logp/sampler_logp [B, T], adv [B] (one per row) or [B, T]
-    (one per token: a packed row holds several samples). Returns (loss, stats).
+def ppo_clip(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
+    """The paper's per-token objective, as a loss: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with
+    r = pi / pi_old; for A < 0 at most -c A (dual clip: a huge ratio cannot blow up the update).
+    Returns (per-token loss, where the clip was active)."""
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # one overflow never NaNs a step
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip:
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss, clipped > unclipped
 
-    Truncated importance sampling (`tis_cap` C > 0): the tokens were sampled by the engine (bf16 vLLM on GPU), not by
-    the trainer's pi_old, so each token's PPO term is weighted by min(exp(old_logp - sampler_logp), C), a constant
-    (no gradient). On GPU the two differ by ~1e-2 nats per token (bf16 kernels); on the fp32 CPU path the weight is
-    1 to ~1e-7. As trl (`vllm_importance_sampling_correction`, cap 2 by default), OpenRLHF (`enable_vllm_is_correction`)
-    and verl (TIS, verl#2953) do.
 
-    Entropy bonus (`entropy` [B, T], each position's full-vocabulary entropy, with gradient; `entropy_coef` > 0): each
-    token's loss minus entropy_coef x entropy, token-mean like the rest (verl `workers/actor/dp_actor.py`: the policy
-    loss minus `entropy_coeff` x the aggregated entropy). It keeps the sampler's siblings diverse where the policy would
-    otherwise turn deterministic (identical siblings = a zero-variance group, no signal)."""
+def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None,
+             kl_coef=0.0, sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
+    """The loss of one micro-batch: PPO-clip per token, plus the optional terms (each off by default), summed over
+    the real tokens and divided by `n_tokens`, the response tokens of the whole optimizer step on every rank, so
+    the gradient does not depend on how samples are cut into micro-batches or ranks (a token-mean).
+    Shapes: logp, old_logp, mask, ref_logp, sampler_logp, entropy [B, T]; adv [B] or [B, T]. Returns (loss, stats).
+
+      x min(exp(old_logp - sampler_logp), tis_cap)   truncated importance sampling: the engine sampled the tokens
+                                                     (bf16 vLLM on GPU), not the trainer's pi_old (trl, verl, OpenRLHF)
+      + kl_coef x KL(pi || ref)                      k3 estimator exp(q) - q - 1, q = ref_logp - logp
+      - entropy_coef x entropy                       an entropy bonus (verl's entropy_coeff)
+    """
     adv = adv if adv.dim() == 2 else adv[:, None]
-    log_ratio = logp - old_logp
-    clamped = log_ratio.detach().abs() > LOG_RATIO_CLAMP
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # verl clamps it: one overflow never NaNs a step
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
-    pg = torch.maximum(pg1, pg2)
-    if dual_clip:  # negative advantages: cap the loss at -c*A so a huge ratio cannot blow up the update
-        pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip * adv), pg)
+    per_token, clip_active = ppo_clip(logp, old_logp, adv, eps_low, eps_high, dual_clip)
     if tis_cap and sampler_logp is not None:
-        pg = pg * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap).detach()
-    tok = pg
+        per_token = per_token * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap).detach()
     kl = torch.zeros_like(logp)
-    if ref_logp is not None:  # k3 estimator of KL(pi || ref): exp(r) - r - 1 >= 0, r = ref - logp
-        r = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = torch.exp(r) - r - 1
-        tok = tok + kl_coef * kl
+    if ref_logp is not None:
+        q = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = torch.exp(q) - q - 1
+        per_token = per_token + kl_coef * kl
     if entropy is not None and entropy_coef:
-        tok = tok - entropy_coef * entropy
+        per_token = per_token - entropy_coef * entropy
     m = mask.float()
-    loss = (tok * m).sum() / n_tokens
+    loss = (per_token * m).sum() / n_tokens
     with torch.no_grad():
-        clipped = ((pg2 > pg1) & (m > 0)).float().sum()
-        stats = {"clip_tokens": clipped.item(), "kl_sum": (kl * m).sum().item(), "tokens": m.sum().item(),
-                 "clamped_tokens": (clamped & (m > 0)).float().sum().item(),
+        real = m > 0
+        clamped = (logp - old_logp).abs() > LOG_RATIO_CLAMP
+        stats = {"clip_tokens": (clip_active & real).float().sum().item(),
+                 "kl_sum": (kl * m).sum().item(),
+                 "tokens": m.sum().item(),
+                 "clamped_tokens": (clamped & real).float().sum().item(),
                  "entropy_sum": (entropy * m).sum().item() if entropy is not None else 0.0}
     return loss, stats

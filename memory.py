@@ -111,7 +111,7 @@ def engine_profile_bytes(cfg, max_num_seqs, max_num_batched_tokens, b=2):
     a time: residual, normed input, qkv, attention output, gate_up and the SwiGLU product, in bf16) and its sampler
     profile (max_num_seqs x vocab fp32 logits: ~40 bytes an entry for the scaled logits, the sort's values and int64
     indices, softmax, cumsum and mask of top-p, the processed log-probs), plus its CUDA-graph pool. These are the
-    engine's own arguments (policies.engine_seqs, rollout.vllm_batched_tokens): the plan follows the flags."""
+    engine's own arguments (policies.engine_seqs, engines.vllm_batched_tokens): the plan follows the flags."""
     h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     forward = max_num_batched_tokens * b * (3 * h + (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + 3 * I)
     sampler = 40 * max_num_seqs * cfg.vocab_size
@@ -253,7 +253,7 @@ def plan_for(cfg, world, gpu_gb):
     """The plan of train.py's configuration, for the largest base with every policy at that size (an upper bound
     when bases differ per role)."""
     import policies as P
-    from rollout import vllm_batched_tokens
+    from engines import vllm_batched_tokens
     pols, _ = P.resolve(cfg)
     mc = max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
     lora = cfg["policies"] == "lora"

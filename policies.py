@@ -20,7 +20,7 @@ import common as C
 import envs as E
 import model as M
 from model import iter_hf_state
-from rollout import TorchEngine, VLLMEngine
+from engines import TorchEngine, VLLMEngine
 from scripted import ScriptedEngine
 
 TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
@@ -119,6 +119,20 @@ def resolve(cfg):
         pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
                            **{k: vals[k].pop() for k in PER_ROLE}))
     return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
+
+
+def settings(cfg, policy):
+    """The run's configuration as this policy trains: its own lr, micro_batch_tokens and minibatches."""
+    return {**cfg, **{k: getattr(policy, k) for k in PER_ROLE}}
+
+
+def describe(cfg, p, policy, opt):
+    """One line per policy at the start of a run: its base, its settings, what it trains."""
+    n_train = sum(q.numel() for g in opt.param_groups for q in g["params"])
+    lora = f" + LoRA r={cfg['lora_rank']} alpha={cfg['lora_alpha']:g}" if policy.adapter else ""
+    return (f"policy {p} {policy.name}: base {policy.base}{lora}, lr {policy.lr:g}, micro_batch_tokens "
+            f"{policy.micro_batch_tokens}, minibatches {policy.minibatches}; trains {n_train / 1e6:.2f}M params "
+            f"(AdamW state {8 * n_train / 2 ** 20:.1f} MiB)")
 
 
 def optimizer_steps_line(cfg):

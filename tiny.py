@@ -16,6 +16,7 @@ import torch
 
 import envs as E
 import model as M
+import policies as P
 from rollout import Agents
 
 TINY_VERSION = 1  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
@@ -28,6 +29,20 @@ def base_path(cfg, size="tiny"):
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     name = f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}") + f"-{digest}"
     return os.path.join(os.path.dirname(os.path.abspath(cfg["out_dir"])), name)
+
+
+def bases(cfg, pols, master, world):
+    """Each policy's base as a HF folder: --model / --policy as given, or for the embedded default the
+    tiny base of each size, built once by rank 0 and cached."""
+    if not P.is_tiny(cfg):
+        return [p.base for p in pols]
+    paths = [base_path(cfg, p.base) for p in pols]
+    if master:
+        for path, p in zip(paths, pols):
+            build_base(path, cfg, p.base)
+    if world > 1:
+        torch.distributed.barrier()
+    return paths
 
 
 def build_base(path, cfg, size="tiny"):

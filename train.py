@@ -1,30 +1,30 @@
 """
 On-policy RL of a multi-agent LLM system: AT-GRPO and the baselines.
 
-    python train.py                                        # CPU: tiny Qwen3 on compact Plan-Path, learns in minutes
-    python train.py --algo grpo                            # ablations: --algo grpo|dr_mas, --policies per_role, ...
-    torchrun --nproc_per_node=8 train.py --task plan --model /path/Qwen3-1.7B     # the paper's setting
+    python train.py                      # CPU: tiny Qwen3 on compact Plan-Path, learns in minutes
+    python train.py --algo grpo          # ablations: --algo grpo|dr_mas, --policies per_role, ...
+    torchrun --nproc_per_node=8 train.py --task plan --model /path/Qwen3-1.7B   # the paper's setting
 
-One step: sample E fresh envs per rank -> tree rollouts (rollout.py) -> groups and advantages (grpo_mas.py) ->
-one PPO-clip update per policy on its roles' samples -> push the new weights into each policy's engine -> log,
-evaluate, checkpoint. Who plays which role is policies.py; flags, torchrun and checkpoints are common.py; the tiny
-default's base model is tiny.py.
+One step: sample E fresh envs per rank -> tree rollouts (rollout.py) -> groups and advantages
+(grpo_mas.py) -> one PPO-clip update per policy on its roles' samples -> push the new weights into
+each policy's engine -> log, evaluate, checkpoint. The method in words: docs/method.md. Who plays
+which role: policies.py; flags, torchrun and checkpoints: common.py; the tiny default's base: tiny.py.
 
 What this script simplifies, and why:
- 1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the vLLM engine
-    sleeps during the update (its weights and KV cache freed) and wakes for the weight sync and for generation;
-    on CPU it stays up. Simple and enough for a node; pipelining the two is an optimization.
- 2. pi_old is the policy that sampled (SPEC §3.3): with one mini-batch per step it is pi_theta detached; with
-    `--minibatches N` the trainer recomputes it before the first optimizer step.
- 3. Every rank holds one engine and generates for its own envs; there is no central scheduler. Several policies
-    on one base take turns in that engine (weights swapped in from a host copy, policies.PolicySwitch).
- 4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL to the
-    initial weights, `--entropy_coef` an entropy bonus.
- 5. Before loading anything, memory.py plans the per-rank GPU memory of the configuration and a GPU run that
-    cannot fit stops with the flag to change (`--dry_run` prints the plan and exits).
- 6. Without --model the run is the embedded default: a tiny random Qwen3 warmed up on the answer format only
-    (tiny.py) on a compact game, through the same code path, with its own row of PRESETS (why each value differs
-    from the paper's: docs/design.md, "The tiny default").
+ 1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the
+    vLLM engine sleeps during the update (weights and KV cache freed) and wakes for the weight sync
+    and for generation; on CPU it stays up. Simple and enough for a node.
+ 2. pi_old is the policy that sampled: with one mini-batch per step it is pi_theta detached; with
+    several the trainer recomputes it before the first optimizer step.
+ 3. Every rank holds one engine and generates for its own envs; there is no central scheduler.
+    Several policies on one base take turns in that engine (policies.PolicySwitch).
+ 4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL
+    to the initial weights, `--entropy_coef` an entropy bonus.
+ 5. Before loading anything, memory.py plans the per-rank GPU memory; a GPU run that cannot fit
+    stops with the flag to change (`--dry_run` prints the plan and exits).
+ 6. Without --model the run is the embedded default: a tiny random Qwen3 warmed up on the answer
+    format only (tiny.py) on a compact game, through the same code path, with its own preset (why
+    each value differs from the paper's: docs/design.md, "The tiny default").
 """
 import json
 import math
@@ -32,241 +32,376 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 import common as C
 import envs as E
+import memory
 import model as M
 import policies as P
 import sandbox
-from grpo_mas import DUMMY, by_agent_turn, collate, compute_advantages, make_rows, micro_batches, ppo_loss, \
-    split_minibatches, trajectory_returns
-from rollout import Agents, plain_rollout, tree_rollout
+import tiny
+from grpo_mas import DUMMY, SCALES, by_agent_turn, collate, compute_advantages, make_rows, micro_batches, \
+    ppo_loss, split_minibatches, trajectory_returns
+from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
-# config: every global below is a flag (--name value or --name=value); so is every row of PRESETS
+# config: every global below is a flag (--name value or --name=value)
+# the run
 task = "plan"              # plan | sokoban | sudoku | code | math
-model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact task configuration
-preset = ""                # a column of PRESETS; "" = paper with --model, else tiny (tiny-sokoban, tiny-sudoku for those games)
+model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact games
+preset = ""                # a key of PRESETS; "" = paper with --model, else tiny (tiny-sokoban, tiny-sudoku)
 algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the normalization scope (grpo_mas.py)
-workflow = "mas"           # mas: both agents; single: the plan agent / coder / reasoner alone
+workflow = "mas"           # mas: every agent; single: the plan agent / coder / reasoner alone
 policies = "shared"        # shared | per_role | per_type | lora: which roles share a policy (policies.py)
-team = ""                  # --task math: "N,M" = N reasoners and M tool agents answer in parallel, then a judge (N+M+1 agents)
-team_mode = "aggregate"    # --team: aggregate (one turn, 1/0 rewards, no team term: the reference's) | refine (--turns turns)
-policy = ""                # ROLE=PATH (repeatable): that role's base model (a HF folder, or tiny / tiny-small); roles naming one path share a policy
-lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer, model.LORA_TARGETS)
-lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
-K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
-lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
-weight_decay = 0.01        # AdamW's decoupled weight decay
-grad_clip = 1.0            # clip each optimizer step's gradient to this global norm
-eps_low = 0.2              # PPO clip range below 1
-eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
-dual_clip = 3.0            # cap on the loss of negative-advantage tokens; 0 disables
-kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
-entropy_coef = 0.0         # entropy bonus: each token's loss minus this x the policy's entropy there (verl entropy_coeff); 0 = none (paper)
-alpha = 1.0                # weight of the team reward in every call's reward
-branch = "greedy"          # greedy: the argmax branch continues (paper); random: a random sibling does (ablation)
-drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
-std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the paper's plain std
-top_p = 1.0                # 1.0 so that the sampler's log-probs are the trainer's full-softmax log-probs
-engine = "vllm"            # vllm | torch (the pure-torch KV-cache sampler) | scripted (answers from the data: tests, benchmarks)
+team = ""                  # --task math: "N,M" = N reasoners and M tool agents, then a judge
+team_mode = "aggregate"    # --team: aggregate (one turn, 1/0 rewards: the reference's) | refine (--turns turns)
+policy = ""                # ROLE=PATH (repeatable): that role's base (a HF folder, or tiny / tiny-small)
+engine = "vllm"            # vllm | torch (the pure-torch sampler) | scripted (answers from the data: tests)
 seed = 0                   # seeds the tiny base, the envs, sampling and the adapters' initialisation
-out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/; the tiny base is cached next to it
+out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
 resume = False             # continue from out_dir/ckpt
-stop_step = 0              # stop (with a final eval and checkpoint) after this step; 0 = at --steps. The lr schedule still
-                           # spans --steps, so a run stopped at step N equals the first N steps of the full run
-compile = False            # torch.compile each decoder layer (in place, HF names kept)
-pack = False               # true: samples sharing a prompt (tree siblings) train as one row, the prompt once (grpo_mas.Row)
-split = "strided"          # how a batch is cut into --minibatches: strided (sample i -> mini-batch i mod N) or groups (whole
-                           # sibling groups, verl's way); --pack true needs and sets groups
-dry_run = False            # print the per-rank GPU memory plan of this configuration and exit (--model may be 0.6B|1.7B|4B|8B)
+stop_step = 0              # stop after this step (final eval and checkpoint); 0 = at --steps. The lr
+                           # schedule still spans --steps: a run stopped at N equals the first N steps
+dry_run = False            # print the per-rank GPU memory plan and exit (--model may be 0.6B|1.7B|4B|8B)
 world = 0                  # --dry_run: ranks to plan for (0 = this launch's WORLD_SIZE)
 gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
-nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoint writes)
-wandb = ""                 # PROJECT: also log every metrics line to Weights & Biases (pip install wandb; not installed by setup.sh)
+wandb = ""                 # PROJECT: also log every metrics line to Weights & Biases (pip install wandb)
+nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoints)
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
+compile = False            # torch.compile each decoder layer (in place, HF names kept)
+# the method
+K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
+alpha = 1.0                # weight of the team reward in every call's reward
+branch = "greedy"          # greedy: the best branch continues (paper); random: a random sibling (ablation)
+eps_low = 0.2              # PPO clip range below 1
+eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
+dual_clip = 3.0            # cap on the loss of negative-advantage tokens (c > 1); 0 disables
+kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
+entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (paper)
+drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
+std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the plain std
+top_p = 1.0                # 1.0: the sampler's log-probs are the trainer's full-softmax log-probs
+thinking = False           # Qwen3's chat-template thinking switch
+lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer)
+lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
+weight_decay = 0.01        # AdamW's decoupled weight decay
+grad_clip = 1.0            # clip each optimizer step's gradient to this global norm
+lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
+pack = False               # true: tree siblings train as one row, their prompt once (grpo_mas.Row)
+split = "strided"          # how a batch is cut into mini-batches: strided (sample i -> i mod N) or groups
+                           # (whole sibling groups, verl's way); --pack true sets groups
+# the recipe: the paper preset's values (docs/paper_preset.md); PRESETS below overrides them by name
+turns = 3                  # T, max turns per episode
+envs_per_step = 128        # E, env instances per step over all ranks
+mini_batch_rows = 32       # samples per optimizer step, all ranks (verl's); 0: --minibatches
+minibatches = 2            # with --mini_batch_rows 0: optimizer steps per batch; per role: tool=2,plan=4
+steps = 400                # training steps; the lr schedule spans them
+lr = 1e-6                  # AdamW learning rate; per role: tool=1e-6,plan=2e-6
+lora_lr_mult = 1.0         # --policies lora without --lr: this x the preset's lr
+lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr; 0 = constant
+scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batch: / the step's std
+batch_std_steps = 0        # with --scale_rewards group: the first N steps use the step's std
+temperature = 0.6          # training temperature (the trainer divides its logits by it too)
+max_new_tokens = 2048      # response tokens per call (tiny: the compact answer)
+max_prompt_tokens = 8192   # prompt tokens per call (head and tail kept)
+max_model_len = 10240      # engine context (clamped to the model's)
+micro_batch_tokens = 16384 # padded tokens per micro-batch; per role: tool=8192,plan=16384
+eval_every = 20            # held-out eval every N steps (0 = never), and at 0 and the end
+eval_n = 100               # held-out instances (games: test seeds; code/math: the first N rows)
+eval_k = 1                 # eval.py: samples per instance (k > 1: avg@k and pass@k)
+eval_temperature = 0.0     # eval.py: sampling temperature (0 = greedy)
+eval_turns = 3             # eval.py: max turns per episode (the reference's evaluation scripts)
+eval_max_new_tokens = 8192 # eval.py: response tokens per call
+ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
+time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
+warmup_steps = 0           # tiny only: format warm-up steps (valid answers, no solutions)
+warmup_moves = 0           # tiny only: warm-up answers of 1..N moves (Sudoku: fills)
+grad_checkpoint = True     # activation checkpointing per decoder layer
+tis_cap = 2.0              # truncated IS: loss x min(exp(old - sampler logp), C); 0 = off
+gpu_memory_utilization = 0.5  # vLLM's share of each GPU while awake
 
-PRESET_NAMES = ("paper", "paper-math", "paper-code", "tiny", "tiny-sokoban", "tiny-sudoku")
-# PRESETS: each flag's value in each preset, in PRESET_NAMES' order. paper: the reference's scripts and SPEC §6, value
-# by value in docs/paper_preset.md; tiny: the 2-core CPU default, why each value in docs/design.md ("The tiny default")
+# PRESETS: each preset's values where it differs from the recipe above (gpt-fast's named configs).
+# paper*: the reference's scripts, value by value (docs/paper_preset.md). tiny*: the 2-core CPU
+# default on the compact games (why each value: docs/design.md, "The tiny default").
+TINY = dict(
+    turns=4, envs_per_step=16, mini_batch_rows=0, minibatches=4, steps=250, lr=5e-4,
+    lora_lr_mult=10.0, lr_decay=1.0, scale_rewards="batch", batch_std_steps=60, temperature=0.7,
+    max_new_tokens=8, max_prompt_tokens=256, max_model_len=512, micro_batch_tokens=8192,
+    eval_every=10, eval_n=200, ckpt_every=10, time_limit_min=15.0, warmup_steps=150, warmup_moves=4,
+    grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
+)
 PRESETS = {
-    "turns":                  (3,       3,       3,       4,       4,       4),       # T, max turns per episode
-    "envs_per_step":          (128,     128,     128,     16,      16,      16),      # E, env instances per step over all ranks
-    "mini_batch_rows":        (32,      32,      32,      0,       0,       0),       # samples per optimizer step, all ranks (verl's); 0: --minibatches
-    "minibatches":            (2,       2,       2,       4,       4,       4),       # --mini_batch_rows 0: optimizer steps per batch; tool=2,plan=4
-    "steps":                  (400,     400,     400,     250,     250,     50),      # training steps; the lr schedule spans them
-    "lr":                     (1e-6,    1e-6,    1e-6,    5e-4,    5e-4,    5e-4),    # AdamW learning rate; per role: tool=1e-6,plan=2e-6
-    "lora_lr_mult":           (1.0,     1.0,     1.0,     10.0,    10.0,    10.0),    # --policies lora without --lr: this x the preset's lr
-    "lr_decay":               (0.0,     0.0,     0.0,     1.0,     1.0,     1.0),     # last fraction of --steps: lr falls (half cosine) to lr_min x lr; 0 = constant
-    "scale_rewards":          ("group", "group", "group", "batch", "group", "group"), # group: (r - mean) / group std; none: r - mean; batch: / the step's std
-    "batch_std_steps":        (0,       0,       0,       60,      60,      60),      # with --scale_rewards group: the first N steps use the step's std
-    "temperature":            (0.6,     0.6,     0.6,     0.7,     1.0,     1.0),     # training temperature (the trainer divides logits by it too)
-    "thinking":               (False,   False,   False,   False,   False,   False),   # Qwen3's chat-template thinking switch
-    "max_new_tokens":         (2048,    8192,    4096,    8,       8,       17),      # response tokens per call (tiny: the compact answer)
-    "max_prompt_tokens":      (8192,    8192,    8192,    256,     256,     256),     # prompt tokens per call (head and tail kept)
-    "max_model_len":          (10240,   16384,   12288,   512,     512,     512),     # engine context (clamped to the model's)
-    "micro_batch_tokens":     (16384,   16384,   16384,   8192,    8192,    8192),    # padded tokens per micro-batch; tool=8192,plan=16384
-    "eval_every":             (20,      20,      20,      10,      10,      10),      # held-out eval every N steps (0 = never), and at 0 and the end
-    "eval_n":                 (100,     100,     100,     200,     200,     200),     # held-out instances (games: test seeds; code/math: first N rows)
-    "ckpt_every":             (20,      20,      20,      10,      10,      10),      # checkpoint every N steps
-    "time_limit_min":         (0.0,     0.0,     0.0,     15.0,    15.0,    15.0),    # stop (final eval + checkpoint) after N minutes; 0 = no limit
-    "warmup_steps":           (0,       0,       0,       150,     600,     600),     # tiny only: format warm-up steps (valid answers, no solutions)
-    "warmup_moves":           (0,       0,       0,       4,       4,       16),      # tiny only: warm-up answers of 1..N moves (Sudoku: fills)
-    "grad_checkpoint":        (True,    True,    True,    False,   False,   False),   # activation checkpointing per decoder layer
-    "tis_cap":                (2.0,     2.0,     2.0,     0.0,     0.0,     0.0),     # truncated IS: loss x min(exp(old - sampler logp), C); 0 = off
-    "gpu_memory_utilization": (0.5,     0.5,     0.5,     0.3,     0.3,     0.3),     # vLLM's share of each GPU while awake
+    "paper": {},
+    "paper-math": dict(max_new_tokens=8192, max_model_len=16384, eval_turns=5, eval_k=4, eval_temperature=0.6),
+    "paper-code": dict(max_new_tokens=4096, max_model_len=12288, eval_turns=5),
+    "tiny": TINY,
+    "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
+    "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
+                    "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17, "warmup_moves": 16},
 }
-CHOICES = {"task": list(E.TASKS), "algo": ["at_grpo", "grpo", "dr_mas"], "workflow": ["mas", "single"], "preset": ["", *PRESET_NAMES], "team_mode": ["aggregate", "refine"],
-           "policies": ["shared", "per_role", "per_type", "lora"], "split": ["strided", "groups"],
-           "engine": ["vllm", "torch", "scripted"], "branch": ["greedy", "random"], "scale_rewards": ["group", "none", "batch"]}
-FLAGS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+CHOICES = {
+    "task": list(E.TASKS),
+    "preset": ["", *PRESETS],
+    "algo": ["at_grpo", "grpo", "dr_mas"],
+    "workflow": ["mas", "single"],
+    "policies": ["shared", "per_role", "per_type", "lora"],
+    "team_mode": ["aggregate", "refine"],
+    "engine": ["vllm", "torch", "scripted"],
+    "branch": ["greedy", "random"],
+    "scale_rewards": list(SCALES),
+    "split": ["strided", "groups"],
+}
+FLAGS = {k: v for k, v in globals().items()
+         if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+# -----------------------------------------------------------------------------
+# the configuration: flags over the preset over the recipe, checked before anything loads
 
 
 def configure(argv):
-    """Flags -> the run's whole configuration: the preset's column, every flag given on top, checks before anything
-    loads. Returns the cfg dict (printed at start, saved as config.json)."""
-    cfg = {**FLAGS, **{k: v[0] for k, v in PRESETS.items()}}  # the paper's values give each preset flag its type
-    help_text = ("usage: python train.py [--flag value | --flag=value ...]\n\n"
-                 + C.usage(__file__, set(cfg)) + "\n\n(preset flags show their value in " + ", ".join(PRESET_NAMES) + ")")
-    given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE, repeatable=("policy",), help_text=help_text)
-    cfg["preset"] = cfg["preset"] or ("tiny" + {"sokoban": "-sokoban", "sudoku": "-sudoku"}.get(cfg["task"], "")
-                                      if P.is_tiny(cfg) else "paper" + {"math": "-math", "code": "-code"}.get(cfg["task"], ""))
-    row = {k: v[PRESET_NAMES.index(cfg["preset"])] for k, v in PRESETS.items()}
-    cfg.update({k: v for k, v in row.items() if k not in given})
-    if cfg["policies"] == "lora":  # adapters without --lr (and roles --lr does not name): lora_lr_mult x the preset's
-        row["lr"] *= cfg["lora_lr_mult"]
-        cfg["lr"] = cfg["lr"] if "lr" in given else row["lr"]
-    cfg["role_defaults"] = {k: row[k] for k in P.PER_ROLE}  # a per-role flag's value for the roles it does not name
+    """Flags -> the run's whole configuration: the recipe, its preset's overrides, every flag given on
+    top, and every check that can run before anything loads. Returns the cfg dict (printed at the
+    start, saved as config.json)."""
+    cfg = dict(FLAGS)
+    given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE, repeatable=("policy",),
+                          help_text=help_text())
+    if not cfg["preset"]:
+        cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg))
+    overrides = PRESETS[cfg["preset"]]
+    for k, v in overrides.items():
+        if k not in given:
+            cfg[k] = v
+    # a per-role flag's value for the roles it does not name: the preset's
+    cfg["role_defaults"] = {k: overrides.get(k, FLAGS[k]) for k in P.PER_ROLE}
+    if cfg["policies"] == "lora":  # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
+        cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]
+        if "lr" not in given:
+            cfg["lr"] = cfg["role_defaults"]["lr"]
     if cfg["pack"] and "split" not in given:
         cfg["split"] = "groups"
-    if "batch_std_steps" in given and cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
-        raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with --scale_rewards group "
-                         f"(not {cfg['scale_rewards']}), or drop --batch_std_steps")
-    check(cfg)
+    check(cfg, given)
     context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
-    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = C.fit_context(
-        cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"], context)
+    fitted = C.fit_context(cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"], context)
+    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = fitted
     return cfg
 
 
-def check(cfg):
-    """Every misuse that can be named before anything loads, with the flag to change."""
+def default_preset(task, tiny):
+    """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku) without."""
+    if tiny:
+        return {"sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku"}.get(task, "tiny")
+    return {"math": "paper-math", "code": "paper-code"}.get(task, "paper")
+
+
+def help_text():
+    return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
+            + C.usage(__file__, FLAGS, PRESETS)
+            + "\n\nA value in [...] is a preset's own; the default is tiny (tiny-sokoban, tiny-sudoku)"
+            " without --model, paper (paper-math, paper-code) with it. Per-role flags take"
+            " ROLE=VALUE,...")
+
+
+# The bounds of the numeric flags: (flag, holds, what to use instead). A value outside them makes
+# the run meaningless, so it stops here, before anything loads.
+BOUNDS = [
+    ("K", lambda v: v >= 2, "at least 2: a group of one has no baseline (its advantage is always 0)"),
+    ("turns", lambda v: v >= 1, "at least 1 turn per episode"),
+    ("envs_per_step", lambda v: v >= 1, "at least 1 env per step"),
+    ("steps", lambda v: v >= 1, "at least 1 step"),
+    ("temperature", lambda v: v > 0, "above 0: training samples at it and the trainer divides its "
+                                     "logits by it (greedy decoding is for evaluation)"),
+    ("max_new_tokens", lambda v: v >= 1, "at least 1 response token"),
+    ("max_prompt_tokens", lambda v: v >= 1, "at least 1 prompt token"),
+    ("mini_batch_rows", lambda v: v >= 0, "0 (use --minibatches) or the samples per optimizer step"),
+    ("eval_every", lambda v: v >= 0, "0 (never) or a number of steps"),
+    ("eval_n", lambda v: v >= 1, "at least 1 held-out instance"),
+    ("ckpt_every", lambda v: v >= 0, "0 (at the end only) or a number of steps"),
+    ("time_limit_min", lambda v: v >= 0, "0 (no limit) or minutes"),
+    ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
+    ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
+    ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
+    ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of --steps in [0, 1]"),
+    ("lr_min", lambda v: 0 <= v <= 1, "a fraction of --lr in [0, 1]"),
+    ("lora_lr_mult", lambda v: v > 0, "above 0"),
+    ("lora_alpha", lambda v: v > 0, "above 0 (the adapter's scale is alpha / r)"),
+    ("eps_low", lambda v: 0 <= v < 1, "in [0, 1) (the ratio's clip range is [1 - eps_low, 1 + eps_high])"),
+    ("eps_high", lambda v: v >= 0, "at least 0"),
+    ("dual_clip", lambda v: v == 0 or v > 1, "0 (off) or above 1 (the paper's 3)"),
+    ("grad_clip", lambda v: v > 0, "above 0 (a global norm)"),
+    ("weight_decay", lambda v: v >= 0, "at least 0"),
+    ("kl_coef", lambda v: v >= 0, "0 (off) or a positive weight"),
+    ("entropy_coef", lambda v: v >= 0, "0 (off) or a positive weight"),
+    ("tis_cap", lambda v: v == 0 or v >= 1, "0 (off) or a cap of at least 1 (trl's default is 2)"),
+    ("alpha", lambda v: v >= 0, "at least 0 (the weight of the team reward)"),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
+    ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
+    ("test_timeout", lambda v: v > 0, "above 0 seconds"),
+    ("nccl_timeout_min", lambda v: v > 0, "above 0 minutes"),
+    ("world", lambda v: v >= 0, "0 (this launch's) or a number of ranks"),
+    ("gpu_gb", lambda v: v >= 0, "0 (the GPU's own) or GiB"),
+]
+
+
+def check(cfg, given):
+    """Every misuse that can be named before anything loads, each with the flag to change."""
+    for name, holds, instead in BOUNDS:
+        if not holds(cfg[name]):
+            raise SystemExit(f"--{name} {cfg[name]}: use {instead}")
     E.check_task(cfg["task"], cfg["workflow"])
-    pols, _ = P.resolve(cfg)  # every role/policy misuse
+    pols, _ = P.resolve(cfg)  # every role and policy misuse
+    tiny_run = P.is_tiny(cfg)
     if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
-        raise SystemExit("different base models per role need one vLLM engine each, and vLLM 0.32 allows one sleep-mode "
-                         "engine per process (one CuMem allocator): give every role the same base (--policies per_role "
-                         "trains a model per role on it), or use --engine torch")
+        raise SystemExit("different base models per role need one vLLM engine each, and vLLM 0.32 allows one "
+                         "sleep-mode engine per process (one CuMem allocator): give every role the same base "
+                         "(--policies per_role trains a model per role on it), or use --engine torch")
     if cfg["wandb"]:
         try:
             import wandb  # noqa: F401
         except ImportError:
             raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    if not (0 <= cfg["lr_decay"] <= 1 and 0 <= cfg["lr_min"] <= 1):
-        raise SystemExit("--lr_decay (a fraction of --steps) and --lr_min (a fraction of --lr) must lie in [0, 1]")
     if not 0 <= cfg["stop_step"] <= cfg["steps"]:
-        raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] (0 = run all the steps)")
-    tiny = P.is_tiny(cfg)
-    if tiny and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= cfg["max_new_tokens"] - 1:
+        raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] "
+                         "(0 = run all the steps)")
+    if "batch_std_steps" in given and cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
+        raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with "
+                         f"--scale_rewards group (not {cfg['scale_rewards']}), or drop --batch_std_steps")
+    if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= cfg["max_new_tokens"] - 1:
         raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, --max_new_tokens - 1 = "
-                         f"{cfg['max_new_tokens'] - 1}]: a warm-up answer and its end of turn must fit the response budget")
-    if tiny and cfg["task"] == "sudoku" and not 1 <= cfg["warmup_moves"] <= 16:
-        raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, 16]: Sudoku's warm-up answers fill that many of the 16 cells")
+                         f"{cfg['max_new_tokens'] - 1}]: a warm-up answer and its end of turn must fit the "
+                         "response budget")
+    if tiny_run and cfg["task"] == "sudoku" and not 1 <= cfg["warmup_moves"] <= 16:
+        raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, 16]: Sudoku's warm-up "
+                         "answers fill that many of the 16 cells")
     if cfg["pack"] and cfg["split"] != "groups":
-        raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one mini-batch: "
-                         "use --split groups")
-    if cfg["pack"] and torch.cuda.is_available() and not P.is_tiny(cfg):  # past Dynamo's recompile limit flex runs eager
-        raise SystemExit("--pack true is for CPU and the tiny model for now: on CUDA flex attention and its block mask "
-                         "compile again for every packed row length (an H100's first packed 1.7B update had not finished "
-                         "after 2 min; docs/gpu.md): drop --pack")
+        raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one "
+                         "mini-batch: use --split groups")
+    if cfg["pack"] and torch.cuda.is_available() and not tiny_run:
+        # flex attention and its block mask compile again for every packed row length (docs/gpu.md)
+        raise SystemExit("--pack true is for CPU and the tiny model for now: on CUDA flex attention "
+                         "recompiles for every packed row length: drop --pack")
     named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
     if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
         raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no config.json): "
-                         "download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B --local-dir ...) or omit --model")
+                         "download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B --local-dir ...) "
+                         "or omit --model")
     if named and not cfg["dry_run"]:
-        raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, or point --model "
-                         "at a Qwen3 folder")
-    if not tiny and not cfg["dry_run"] and (unseen := C.unseen_gpus()):  # else a real model trains on the CPU, for days
-        raise SystemExit(f"nvidia-smi lists {unseen} GPU(s) but torch {torch.__version__} (CUDA "
-                         f"{torch.version.cuda}) cannot use them: install a driver that serves that CUDA version, or a torch "
-                         "build for this driver, until python -c 'import torch; print(torch.cuda.is_available())' says True")
-    if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not
-        raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's full softmax")
-    if cfg["batch_std_steps"] < 0:
-        raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} must be >= 0 (0 = off)")
-    if not cfg["std_floor"] >= 0.0:
-        raise SystemExit(f"--std_floor {cfg['std_floor']} must be >= 0 (0 = off; a floor in reward units, e.g. 0.25)")
+        raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with --dry_run, "
+                         "or point --model at a Qwen3 folder")
+    if not tiny_run and not cfg["dry_run"]:
+        unseen = C.unseen_gpus()  # else a real model trains on the CPU, for days
+        if unseen:
+            raise SystemExit(f"nvidia-smi lists {unseen} GPU(s) but torch {torch.__version__} (CUDA "
+                             f"{torch.version.cuda}) cannot use them: install a driver that serves that CUDA "
+                             "version, or a torch build for this driver, until python -c 'import torch; "
+                             "print(torch.cuda.is_available())' says True")
+    if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus
+        raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's "
+                         "full softmax")
     if cfg["resume"] and not os.path.exists(os.path.join(cfg["out_dir"], "ckpt", "state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {os.path.join(cfg['out_dir'], 'ckpt')!r}")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg["envs_per_step"] % world_env:
-        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} ranks: use a multiple of {world_env}")
+        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} ranks: "
+                         f"use a multiple of {world_env}")
 
 
 # -----------------------------------------------------------------------------
 # the update of one policy
 
 
-def row_logprobs(model, b, cfg, entropy=False):
-    """Per-token log-probs [B, T] of a collated batch; with `entropy`, (log-probs, entropies) [B, T] each."""
-    out = model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn, select=b.sel,
-                entropy=entropy)
-    return (out[..., 0], out[..., 1]) if entropy else out
+@dataclass
+class UpdateStats:
+    """One policy's update on this rank: sums over its response tokens (the step log makes them
+    means over every rank)."""
+    loss: float = 0.0
+    tokens: float = 0.0          # response tokens trained on
+    clip_tokens: float = 0.0     # of them, where the PPO clip was active
+    clamped_tokens: float = 0.0  # whose log-ratio hit the clamp (a broken sync or an overflow)
+    dlogp: float = 0.0           # |trainer - sampler| log-prob, summed, before this step's updates
+    kl_sum: float = 0.0
+    entropy_sum: float = 0.0
+    trained_tokens: float = 0.0  # forward/backward tokens (prompts included, once if packed)
+    grad_norm: float = 0.0       # the largest over the step's optimizer steps
+    opt_steps: int = 0
+
+
+def row_logprobs(model, b, cfg):
+    """Per-token log-probs [B, T] of a collated batch, at the training temperature."""
+    return model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn,
+                 select=b.sel)
+
+
+def row_logprobs_entropy(model, b, cfg):
+    """(log-probs, full-vocabulary entropies), [B, T] each."""
+    out = model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn,
+                select=b.sel, entropy=True)
+    return out[..., 0], out[..., 1]
 
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
-    """PPO-clip on this rank's samples of one policy: one optimizer step per mini-batch, each a token-mean over all
-    ranks. Every rank runs the same number of FSDP forwards (micro_batches pads with zero-weight rows)."""
+    """PPO-clip on this rank's samples of one policy: one optimizer step per mini-batch, each a
+    token-mean over every rank. Every rank runs the same number of FSDP forwards (micro_batches pads
+    with zero-weight rows). `cfg` holds this policy's own minibatches and micro_batch_tokens."""
     samples = [s for s in samples if s.response_ids]
     n_mini = cfg["minibatches"]
-    if cfg["mini_batch_rows"]:  # verl: each rank's batch cut into mini-batches of ppo_mini_batch_size x n / world rows
-        n_mini = C.all_max(max(1, math.ceil(len(samples) / max(1, cfg["mini_batch_rows"] // world))))
+    if cfg["mini_batch_rows"]:  # verl: mini-batches of ppo_mini_batch_size x n / world rows per rank
+        rows_per_rank = max(1, cfg["mini_batch_rows"] // world)
+        n_mini = C.all_max(max(1, math.ceil(len(samples) / rows_per_rank)))
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
-    rows = [r for c in chunks for r in c]
-    stats = dict(loss=0.0, clip_tokens=0.0, tokens=0.0, clamped_tokens=0.0, dlogp=0.0, kl_sum=0.0, entropy_sum=0.0, grad_norm=0.0,
-                 rows=len(rows), trained_tokens=float(sum(len(r.ids) for r in rows)), opt_steps=0)
+    stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
     if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
             for chunk in chunks:
                 for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
-                    lp = row_logprobs(model, collate(mb, device), cfg)  # no autocast: FSDP2 computes in bf16 on GPU
-                    for r, lr in zip(mb, lp):
-                        if r is not DUMMY:
-                            r.old = lr[:len(r.tgt)]
+                    logps = row_logprobs(model, collate(mb, device), cfg)  # FSDP2 computes in bf16 on GPU
+                    for row, logp in zip(mb, logps):
+                        if row is not DUMMY:
+                            row.old = logp[:len(row.tgt)]
     for chunk in chunks:
-        n_tok = C.all_sum([float(sum(len(r.tgt) for r in chunk))])[0]
-        if n_tok == 0:
+        # the token-mean's denominator: every response token of this optimizer step, on every rank
+        n_tokens = C.all_sum([float(sum(len(r.tgt) for r in chunk))])[0]
+        if n_tokens == 0:
             continue
         for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
             b = collate(mb, device)
-            lp, ent = row_logprobs(model, b, cfg, entropy=True) if cfg["entropy_coef"] else (row_logprobs(model, b, cfg), None)
-            old = lp.detach() if b.old is None else b.old
-            ref_lp = None
+            entropy = None
+            if cfg["entropy_coef"]:
+                logp, entropy = row_logprobs_entropy(model, b, cfg)
+            else:
+                logp = row_logprobs(model, b, cfg)
+            old = logp.detach() if b.old is None else b.old
+            ref_logp = None
             if ref is not None:
                 with torch.no_grad():
-                    ref_lp = row_logprobs(ref, b, cfg)
-            loss, st = ppo_loss(lp, old, b.adv, b.w, n_tok, cfg["eps_low"], cfg["eps_high"], cfg["dual_clip"], ref_lp,
-                                cfg["kl_coef"], sampler_logp=b.slp, tis_cap=cfg["tis_cap"], entropy=ent,
-                                entropy_coef=cfg["entropy_coef"])
-            (loss * world).backward()  # FSDP averages gradients over ranks; the token-mean already spans all ranks
-            stats["loss"] += loss.item()
-            for k, v in st.items():
-                stats[k] += v
-            stats["dlogp"] += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer before this step's updates
-        gn = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], cfg["grad_clip"])
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        stats["grad_norm"] = max(stats["grad_norm"], float(gn))
-        stats["opt_steps"] += 1
+                    ref_logp = row_logprobs(ref, b, cfg)
+            loss, st = ppo_loss(logp, old, b.adv, b.w, n_tokens, cfg["eps_low"], cfg["eps_high"],
+                                cfg["dual_clip"], ref_logp, cfg["kl_coef"], sampler_logp=b.slp,
+                                tis_cap=cfg["tis_cap"], entropy=entropy, entropy_coef=cfg["entropy_coef"])
+            (loss * world).backward()  # FSDP averages gradients over ranks; the mean already spans them
+            stats.loss += loss.item()
+            stats.tokens += st["tokens"]
+            stats.clip_tokens += st["clip_tokens"]
+            stats.clamped_tokens += st["clamped_tokens"]
+            stats.kl_sum += st["kl_sum"]
+            stats.entropy_sum += st["entropy_sum"]
+            stats.dlogp += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer
+        params = [q for g in opt.param_groups for q in g["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        stats.grad_norm = max(stats.grad_norm, float(grad_norm))
+        stats.opt_steps += 1
         opt.step()
         opt.zero_grad(set_to_none=True)
     return stats
 
 
 def lr_factor(cfg, step):
-    """The lr of training step `step` (0-based) as a fraction of --lr: constant, then over the last --lr_decay of
+    """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last --lr_decay of
     --steps a half cosine down to --lr_min (warmup-stable-decay without the warmup)."""
     start = round(cfg["steps"] * (1 - cfg["lr_decay"]))
     if not cfg["lr_decay"] or step < start:
@@ -275,224 +410,273 @@ def lr_factor(cfg, step):
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def step_seed(seed, step, rank):
+    """The sampling seed of a step on a rank (each of its engine calls adds 7 x its index)."""
+    return (seed * 7919 + step * 104729 + rank * 15485863) % (2 ** 31)
+
+
 # -----------------------------------------------------------------------------
 # the step's log: one metrics.jsonl record and one printed line
 
 
-def step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master):
-    """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is the stale-sync
-    alarm: bf16 vLLM vs the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a jump against this run's own
-    recent level means something (an engine that stopped receiving weights)."""
-    allr = C.gather(local)
-    world, n_s = len(allr), sum(x["n"] for x in allr)
-    rec = {"step": step + 1, "success": sum(x["success"] for x in allr) / world, "samples": n_s,
-           "samples_per_rank": [x["n"] for x in allr], "loss": sum(x["loss"] for x in allr),
-           "format_ok": sum(x["fmt"] for x in allr) / max(1, n_s), "resp_tokens": sum(x["resp_tok"] for x in allr),
-           "lr_factor": lr_factor(cfg, step), "timeouts": sum(x["timeouts"] for x in allr)}  # sandbox programs killed
-    for r in roles:
-        vals = [x["rewards"][r] for x in allr if r in x["rewards"]]
-        rec[f"reward_{r}"] = sum(vals) / max(1, len(vals))
-    for k in ("zero_var_frac", "group_size"):
-        rec[k] = sum(x["diag"][k] for x in allr) / world
-    for p, st in enumerate(pstats):
-        tot = C.all_sum([st["clip_tokens"], st["tokens"], st["dlogp"], st["kl_sum"], st["trained_tokens"], st["entropy_sum"],
-                         st["clamped_tokens"]])
-        rec["trained_tokens"] = rec.get("trained_tokens", 0.0) + tot[4]  # forward/backward tokens (prompts once if packed)
-        rec[f"clip_frac_p{p}"] = tot[0] / max(1, tot[1])
-        rec[f"dlogp_p{p}"] = tot[2] / max(1, tot[1])
-        rec[f"clamped_p{p}"] = int(tot[6])  # tokens whose log-ratio hit the clamp (a broken sync or an overflow)
-        prev = sorted(dlogp_hist[p][-10:])
-        rec[f"dlogp_jump_p{p}"] = bool(prev) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * prev[len(prev) // 2])
+@dataclass
+class StepStats:
+    """This rank's share of a step, gathered over ranks into the step's record."""
+    success: float       # episodes that ended in success / episodes
+    samples: int
+    loss: float          # summed over the policies' updates
+    response_tokens: int
+    formatted: int       # samples whose answer parsed
+    rewards: dict        # mean reward per role and per role@turn (grpo_mas.by_agent_turn)
+    zero_var_frac: float
+    group_size: float
+    timeouts: int        # sandbox programs killed at their time limit
+    mem: dict            # CUDA: the allocator's peak per phase, GiB
+
+
+def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
+    """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is the
+    stale-sync alarm: bf16 vLLM against the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a
+    jump against this run's own recent level means something (an engine that stopped receiving weights)."""
+    ranks = C.gather(mine)
+    world = len(ranks)
+    n_samples = sum(r.samples for r in ranks)
+    rec = {"step": step + 1,
+           "success": sum(r.success for r in ranks) / world,
+           "samples": n_samples,
+           "samples_per_rank": [r.samples for r in ranks],
+           "loss": sum(r.loss for r in ranks),
+           "format_ok": sum(r.formatted for r in ranks) / max(1, n_samples),
+           "resp_tokens": sum(r.response_tokens for r in ranks),
+           "lr_factor": lr_factor(cfg, step),
+           "timeouts": sum(r.timeouts for r in ranks)}
+    for role in roles:
+        vals = [r.rewards[role] for r in ranks if role in r.rewards]
+        rec[f"reward_{role}"] = sum(vals) / max(1, len(vals))
+    rec["zero_var_frac"] = sum(r.zero_var_frac for r in ranks) / world
+    rec["group_size"] = sum(r.group_size for r in ranks) / world
+    summed = ("tokens", "clip_tokens", "clamped_tokens", "dlogp", "kl_sum", "entropy_sum", "trained_tokens")
+    rec["trained_tokens"] = 0.0
+    for p, u in enumerate(updates):
+        tot = dict(zip(summed, C.all_sum([getattr(u, k) for k in summed])))
+        tokens = max(1, tot["tokens"])
+        rec["trained_tokens"] += tot["trained_tokens"]
+        rec[f"clip_frac_p{p}"] = tot["clip_tokens"] / tokens
+        rec[f"dlogp_p{p}"] = tot["dlogp"] / tokens
+        rec[f"clamped_p{p}"] = int(tot["clamped_tokens"])
+        recent = sorted(dlogp_hist[p][-10:])
+        median = recent[len(recent) // 2] if recent else 0.0
+        jump = bool(recent) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * median)
+        rec[f"dlogp_jump_p{p}"] = jump
         dlogp_hist[p].append(rec[f"dlogp_p{p}"])
-        if rec[f"dlogp_jump_p{p}"] and master:
-            print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} (recent median "
-                  f"{prev[len(prev) // 2]:.1e}): is the engine receiving the weights?", flush=True)
-        rec[f"grad_norm_p{p}"] = st["grad_norm"]
-        rec[f"opt_steps_p{p}"] = st["opt_steps"]  # optimizer steps this training step (the same on every rank)
+        if jump and master:
+            print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} "
+                  f"(recent median {median:.1e}): is the engine receiving the weights?", flush=True)
+        rec[f"grad_norm_p{p}"] = u.grad_norm
+        rec[f"opt_steps_p{p}"] = u.opt_steps  # the same on every rank
         rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
         if cfg["kl_coef"]:
-            rec[f"kl_p{p}"] = tot[3] / max(1, tot[1])
-        if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the step's trained tokens (nats)
-            rec[f"entropy_p{p}"] = tot[5] / max(1, tot[1])
-    if C.DEVICE.type == "cuda":  # per-phase peak of torch's allocator, max over ranks (GiB)
-        for k in local["mem"]:
-            rec[k] = max(x["mem"][k] for x in allr)
+            rec[f"kl_p{p}"] = tot["kl_sum"] / tokens
+        if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the trained tokens (nats)
+            rec[f"entropy_p{p}"] = tot["entropy_sum"] / tokens
+    if C.DEVICE.type == "cuda":  # the allocator's peak per phase, the largest over ranks (GiB)
+        for k in mine.mem:
+            rec[k] = max(r.mem[k] for r in ranks)
     return rec
 
 
-def step_line(rec, roles, n_pol, eta):
+def step_line(rec, roles, n_policies, eta):
     """The one printed line per step."""
-    rw = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
-    pol = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} |dlogp| {rec[f'dlogp_p{p}']:.1e}"
-                   for p in range(n_pol))
-    gib = f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}" if "mem_train" in rec else ""
-    return (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rw} | fmt {rec['format_ok']:.2f} zv {rec['zero_var_frac']:.2f} | "
-            f"{pol} | {rec['samples']} smp {rec['resp_tokens']} tok | gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s "
-            f"train {rec['t_train']:.1f}s sync {rec['t_sync']:.1f}s{gib} | eta {eta / 60:.1f}m")
+    rewards = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
+    per_policy = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} "
+                          f"|dlogp| {rec[f'dlogp_p{p}']:.1e}" for p in range(n_policies))
+    line = (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rewards} | fmt {rec['format_ok']:.2f} "
+            f"zv {rec['zero_var_frac']:.2f} | {per_policy} | {rec['samples']} smp {rec['resp_tokens']} tok | "
+            f"gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s train {rec['t_train']:.1f}s "
+            f"sync {rec['t_sync']:.1f}s")
+    if "mem_train" in rec:
+        line += f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}"
+    return line + f" | eta {eta / 60:.1f}m"
 
 
 # -----------------------------------------------------------------------------
-# main: set up, then each step rollout -> advantages -> update -> weight sync -> log -> evaluate / checkpoint
-
-
-def setup(cfg, rank, world, master):
-    """Everything the loop needs: the policies with their models, optimizers and engines, the agents, the data, the
-    held-out set, the run's folder and the log."""
-    import tiny
-    from eval import evaluate
-    from transformers import AutoTokenizer
-    if master:
-        print("config: preset " + cfg["preset"] + "; " + ", ".join(f"{k} {cfg[k]}" for k in PRESETS), flush=True)
-    if master:
-        print(P.optimizer_steps_line(cfg), flush=True)
-    if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
-        print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); use --model for real runs")
-    pols, role_to_policy = P.resolve(cfg)
-    bases = [tiny.base_path(cfg, p.base) for p in pols] if P.is_tiny(cfg) else [p.base for p in pols]
-    if P.is_tiny(cfg):
-        if master:
-            for b, p in zip(bases, pols):
-                tiny.build_base(b, cfg, p.base)
-        if world > 1:
-            torch.distributed.barrier()
-    start = C.open_run(cfg, pols, master)
-    tok = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer (and the tiny sizes theirs)
-    torch.manual_seed(cfg["seed"])
-    models, opts, refs, engines = P.build(cfg, pols, bases, os.path.join(cfg["out_dir"], "ckpt"), rank, C.DEVICE)
-    for p, pol in enumerate(pols if master else []):
-        n_train = sum(q.numel() for g in opts[p].param_groups for q in g["params"])
-        lora_note = f" + LoRA r={cfg['lora_rank']} alpha={cfg['lora_alpha']:g}" if pol.adapter else ""
-        print(f"policy {p} {pol.name}: base {pol.base}{lora_note}, lr {pol.lr:g}, micro_batch_tokens "
-              f"{pol.micro_batch_tokens}, minibatches {pol.minibatches}; trains {n_train / 1e6:.2f}M params "
-              f"(AdamW state {8 * n_train / 2 ** 20:.1f} MiB)", flush=True)
-    compact = P.is_tiny(cfg) and cfg["task"] in ("plan", "sokoban", "sudoku")
-    team = P.parse_team(cfg)
-    E.TOOL_TIMEOUT, E.TEST_TIMEOUT = cfg["tool_timeout"], cfg["test_timeout"]
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks, not each rank all of them
-        sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
-    agents = Agents(tok, engines, role_to_policy, cfg["max_prompt_tokens"], thinking=cfg["thinking"])
-    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"], limit=cfg["eval_n"], team=team)
-
-    def run_eval(step):
-        res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
-                       rank=rank, world=world)
-        if master:
-            print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
-                  f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
-        return res
-    wb = None
-    if master and cfg["wandb"]:
-        import wandb
-        wb = wandb.init(project=cfg["wandb"], name=os.path.basename(os.path.abspath(cfg["out_dir"])), config=cfg)
-
-    def log(rec):  # metrics.jsonl on rank 0, and the same numbers to wandb
-        if master:
-            with open(os.path.join(cfg["out_dir"], "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if wb is not None:
-            wb.log({k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}, step=rec["step"])
-    return dict(pols=pols, models=models, opts=opts, refs=refs, engines=engines, agents=agents, tok=tok, start=start,
-                compact=compact, team=team, run_eval=run_eval, log=log, wb=wb,
-                rows=E.load_split(cfg["task"], "train") if cfg["task"] in ("code", "math") else None)
+# main: set up, then each step rollout -> advantages -> update -> weight sync -> log -> eval / checkpoint
 
 
 def main(argv):
-    import memory
     cfg = configure(argv)
     if cfg["dry_run"]:
         print(P.optimizer_steps_line(cfg))
         raise SystemExit(memory.print_plan(cfg))
     memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
-    S = setup(cfg, rank, world, master := rank == 0)
-    pols, models, opts, engines, agents = S["pols"], S["models"], S["opts"], S["engines"], S["agents"]
+    master = rank == 0
+    if master:
+        print(f"config: preset {cfg['preset']}; " + ", ".join(f"{k} {cfg[k]}" for k in TINY), flush=True)
+        print(P.optimizer_steps_line(cfg), flush=True)
+    if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
+        print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
+              "use --model for real runs")
+
+    # --- set up: the policies (models, optimizers, engines), the agents, the data, the run folder
+    pols, role_to_policy = P.resolve(cfg)
+    bases = tiny.bases(cfg, pols, master, world)  # HF folders (the tiny ones built once, cached)
+    start = C.open_run(cfg, pols, master)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer
+    torch.manual_seed(cfg["seed"])
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    models, opts, refs, engines = P.build(cfg, pols, bases, ckpt_dir, rank, C.DEVICE)
+    if master:
+        for p, pol in enumerate(pols):
+            print(P.describe(cfg, p, pol, opts[p]), flush=True)
+    E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks
+        sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+    agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"], thinking=cfg["thinking"])
+    compact = P.is_tiny(cfg) and cfg["task"] in ("plan", "sokoban", "sudoku")
+    team = P.parse_team(cfg)
+    rows = None
+    if cfg["task"] in ("code", "math"):
+        rows = E.load_split(cfg["task"], "train")
+    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"],
+                           limit=cfg["eval_n"], team=team)
+    log = MetricsLog(cfg, master)
     roles = P.task_roles(cfg)
-    sp = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
-    t_proc = time.time()
-    t_start = t_proc - S["start"].time_before  # "time" in the log and --time_limit_min count the whole run, across resumes
-    if S["start"].step == 0 and cfg["eval_every"]:
-        r = S["run_eval"](0)
-        S["log"]({"step": 0, "eval_success": r["accuracy"], "eval_ci": r["ci"], "time": 0.0})
+    sampling = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
+    envs_per_rank = cfg["envs_per_step"] // world
+    t_process = time.time()
+    t_run = t_process - start.time_before  # the run's clock counts across resumes
+    if start.step == 0 and cfg["eval_every"]:
+        res = held_out(test_envs, agents, cfg, 0, rank, world, master)
+        log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
     C.cuda_peak_gib()
     dlogp_hist = [[] for _ in pols]
-    for step in range(S["start"].step, cfg["steps"]):
-        t0, timer, timeouts0 = time.time(), {}, sandbox.stats["timeouts"]
+
+    for step in range(start.step, cfg["steps"]):
+        t0 = time.time()
+        timer = {}  # seconds of generation ("gen") and env scoring ("env")
+        timeouts_before = sandbox.stats["timeouts"]
+
         # --- rollout: this rank's share of the step's fresh envs
         rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
-        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], S["compact"], S["rows"], team=S["team"])
-                for _ in range(cfg["envs_per_step"] // world)]
-        agents.seed_base, agents.calls = (cfg["seed"] * 7919 + step * 104729 + rank * 15485863) % (2 ** 31), 0
+        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team)
+                for _ in range(envs_per_rank)]
+        agents.reseed(step_seed(cfg["seed"], step, rank))
         if cfg["algo"] == "at_grpo":  # K candidates per (agent, turn), the best branch continues
-            samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], cfg["branch"], rng, timer)
+            samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
+                                   cfg["branch"], rng, timer)
             success = sum(e.success for e in envs) / len(envs)
         else:  # K independent trajectories per env
-            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sp, cfg["alpha"], timer)
+            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
+
         # --- advantages: the group key and the normalized value of --algo
-        scale = "batch" if step < cfg["batch_std_steps"] and cfg["scale_rewards"] == "group" else cfg["scale_rewards"]
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale, C.all_sum, std_floor=cfg["std_floor"])
+        scale = cfg["scale_rewards"]
+        if scale == "group" and step < cfg["batch_std_steps"]:
+            scale = "batch"
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale, C.all_sum,
+                                        std_floor=cfg["std_floor"])
         mem = {"mem_rollout": C.cuda_peak_gib()}
-        # --- update: one PPO-clip update per policy on its roles' samples (CUDA: the engines sleep meanwhile)
-        for e in P.distinct_engines(engines):
-            e.sleep()
+
+        # --- update: one PPO-clip update per policy on its roles' samples (CUDA: the engines sleep)
+        for engine in P.distinct_engines(engines):
+            engine.sleep()
         t1 = time.time()
-        pstats = []
-        for p, pol in enumerate(pols):  # the lr schedule is a function of the step alone: a resumed run follows it
-            for g in opts[p].param_groups:
-                g["lr"] = pol.lr * lr_factor(cfg, step)
-            pcfg = {**cfg, **{k: getattr(pol, k) for k in P.PER_ROLE}}
-            pstats.append(update_policy(P.use_policy(models, pols, p), opts[p], [s for s in kept if s.policy == p],
-                                        pcfg, world, C.DEVICE, S["refs"][p]))
+        updates = []
+        for p, pol in enumerate(pols):
+            for group in opts[p].param_groups:  # the lr is a function of the step: a resume follows it
+                group["lr"] = pol.lr * lr_factor(cfg, step)
+            mine = [s for s in kept if s.policy == p]
+            model_p = P.use_policy(models, pols, p)
+            updates.append(update_policy(model_p, opts[p], mine, P.settings(cfg, pol), world, C.DEVICE, refs[p]))
         mem["mem_train"] = C.cuda_peak_gib()
         t2 = time.time()
-        # --- weight sync: each policy's new weights into its engine (streamed; wakes the engine first)
+
+        # --- weight sync: each policy's new weights into its engine (streamed; wakes it first)
         for p in range(len(pols)):
             engines[p].sync(P.use_policy(models, pols, p))
         mem["mem_sync"] = C.cuda_peak_gib()
         t3 = time.time()
+
         # --- log, evaluate, checkpoint
-        local = dict(success=success, n=len(samples), loss=sum(st["loss"] for st in pstats),
-                     resp_tok=sum(len(s.response_ids) for s in samples), fmt=sum(s.formatted for s in samples),
-                     rewards=by_agent_turn(samples), diag=diag, mem=mem, timeouts=sandbox.stats["timeouts"] - timeouts0)
-        rec = step_record(cfg, step, roles, local, pstats, opts, dlogp_hist, master)
-        rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1, t_sync=t3 - t2,
-                   t_step=t3 - t0, time=time.time() - t_start)
-        eta = C.eta_seconds(cfg, step + 1, step + 1 - S["start"].step, time.time() - t_proc, time.time() - t_start)
+        mine = StepStats(success=success, samples=len(samples), loss=sum(u.loss for u in updates),
+                         response_tokens=sum(len(s.response_ids) for s in samples),
+                         formatted=sum(s.formatted for s in samples), rewards=by_agent_turn(samples),
+                         zero_var_frac=diag["zero_var_frac"], group_size=diag["group_size"],
+                         timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem)
+        rec = step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master)
+        rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
+                   t_sync=t3 - t2, t_step=t3 - t0, time=time.time() - t_run)
+        done_here = step + 1 - start.step
+        eta = C.eta_seconds(cfg, step + 1, done_here, time.time() - t_process, time.time() - t_run)
         if master:
             print(step_line(rec, roles, len(pols), eta), flush=True)
         last = step + 1
-        out_of_time = C.out_of_time_all(cfg, time.time() - t_start)
+        out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
         final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
-            r = S["run_eval"](last)
-            rec.update(eval_success=r["accuracy"], eval_ci=r["ci"])
-        S["log"](rec)
+            res = held_out(test_envs, agents, cfg, last, rank, world, master)
+            rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
+        log.write(rec)
         if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
-            save(cfg, S, last, rank, time.time() - t_start)
+            save(cfg, last, models, opts, pols, engines, tokenizer, rank, time.time() - t_run)
         C.cuda_peak_gib()
         if out_of_time and master:
             print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
         if final:
             break
-    teardown(S)
 
-
-def save(cfg, S, step, rank, elapsed):
-    """A checkpoint after `step` (CUDA: the engines park their weights on the host while it gathers)."""
-    for e in P.distinct_engines(S["engines"]):
-        e.sleep(level=1)
-    C.save_checkpoint(cfg["out_dir"], step, S["models"], S["opts"], S["pols"], S["tok"], rank,
-                      os.path.join(cfg["out_dir"], "metrics.jsonl"), None if P.is_tiny(cfg) else torch.bfloat16, elapsed)
-
-
-def teardown(S):
-    for e in P.distinct_engines(S["engines"]):  # engines first: vLLM's own process groups go before the default group
-        e.close()
-    if S["wb"] is not None:
-        S["wb"].finish()
+    for engine in P.distinct_engines(engines):  # engines first: vLLM's own groups go before ours
+        engine.close()
+    log.close()
     if C.OWN_GROUP:
         C.close_dist()
+
+
+def held_out(test_envs, agents, cfg, step, rank, world, master):
+    """The in-run monitor: greedy plain rollouts of the held-out set (eval.py gives the paper's protocol)."""
+    res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
+                   rank=rank, world=world)
+    if master:
+        print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
+              f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
+    return res
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0, and the same numbers to Weights & Biases with --wandb."""
+
+    def __init__(self, cfg, master):
+        self.path = os.path.join(cfg["out_dir"], "metrics.jsonl")
+        self.master = master
+        self.wandb = None
+        if master and cfg["wandb"]:
+            import wandb
+            name = os.path.basename(os.path.abspath(cfg["out_dir"]))
+            self.wandb = wandb.init(project=cfg["wandb"], name=name, config=cfg)
+
+    def write(self, rec):
+        if self.master:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+            self.wandb.log(numbers, step=rec["step"])
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
+    """A checkpoint after `step` (CUDA: the engines park their weights on the host meanwhile)."""
+    for engine in P.distinct_engines(engines):
+        engine.sleep(level=1)
+    export_dtype = None if P.is_tiny(cfg) else torch.bfloat16
+    C.save_checkpoint(cfg["out_dir"], step, models, opts, pols, tokenizer, rank,
+                      os.path.join(cfg["out_dir"], "metrics.jsonl"), export_dtype, elapsed)
 
 
 if __name__ == "__main__":

