@@ -1,13 +1,14 @@
 """
-The benchmarks behind the speed numbers in docs/results.md (not tests: these machines are shared and noisy, so each number
-is a median over repeats, reported as a ratio against a reference measured in the same process where there is one).
+The benchmarks behind the speed numbers in docs/results.md (not tests: these machines are shared and noisy, so each
+number is a median over repeats, reported as a ratio against a reference measured in the same process where there is
+one).
 
     python bench.py model      # forward+backward: our Qwen3 vs transformers' on the same config and batch
     python bench.py sampler    # tokens/s: the pure-torch sampler vs vLLM on the tiny model
-    python bench.py sandbox    # sandbox executions/s: a trivial program and a typical CodeContests test, with and without bubblewrap
+    python bench.py sandbox    # sandbox executions/s: a trivial program and a CodeContests test, +- bubblewrap
     python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
-    python bench.py train      # the CPU default's update: packed rows (prompt once per sibling group) vs one row per sample
-    python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd throughput/MFU of Qwen3-1.7B at 4096, the real update
+    python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
+    python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
 import functools
 import json
@@ -51,8 +52,9 @@ def bench_model(repeats=7):
         t_ours.append(a)
         t_hf.append(b)
         ratios.append(a / b)
-    print(json.dumps({"bench": "model fwd+bwd, tiny Qwen3, batch 16x256, fp32 CPU", "ours_s": statistics.median(t_ours),
-                      "transformers_s": statistics.median(t_hf), "median_ratio_ours_over_hf": statistics.median(ratios)}))
+    print(json.dumps({"bench": "model fwd+bwd, tiny Qwen3, batch 16x256, fp32 CPU",
+                      "ours_s": statistics.median(t_ours), "transformers_s": statistics.median(t_hf),
+                      "median_ratio_ours_over_hf": statistics.median(ratios)}))
 
 
 def bench_sampler(repeats=5):
@@ -71,8 +73,16 @@ def bench_sampler(repeats=5):
             secs.append(time.perf_counter() - t0)
             toks.append(sum(len(c.ids) for o in outs for c in o))
         res[kind] = statistics.median(t / s for t, s in zip(toks, secs))
-    print(json.dumps({"bench": "sampler tokens/s, tiny model, 64 prompts x n=4, 40-token prompts, <=32 new tokens, fp32 CPU",
-                      "torch_tok_s": res["torch"], "vllm_tok_s": res["vllm"], "vllm_over_torch": res["vllm"] / res["torch"]}))
+    print(
+        json.dumps(
+            {
+                "bench": "sampler tokens/s, tiny model, 64 prompts x n=4, 40-token prompts, <=32 new tokens, fp32 CPU",
+                "torch_tok_s": res["torch"],
+                "vllm_tok_s": res["vllm"],
+                "vllm_over_torch": res["vllm"] / res["torch"],
+            }
+        )
+    )
 
 
 def bench_sandbox(n=64, repeats=3):
@@ -80,11 +90,14 @@ def bench_sandbox(n=64, repeats=3):
     import envs as E
     import sandbox as S
     row = E.load_split("code", "test", ["code/test/code_contests_test.jsonl"])[0]
-    prog = "import sys\ndata = sys.stdin.read().split()\nn, m = int(data[0]), int(data[1])\nprint(' '.join(str(i + 1) for i in range(n)))\n"
+    prog = ("import sys\ndata = sys.stdin.read().split()\nn, m = int(data[0]), int(data[1])\n"
+            "print(' '.join(str(i + 1) for i in range(n)))\n")
     res = {}
     for mode in ("bwrap", "guard"):
         S._BWRAP_OK = S.bwrap_available() if mode == "bwrap" else False  # the guard alone: what runs without namespaces
-        for name, jobs in (("trivial", [("print(1)", "", 5.0)] * n), ("codecontests", [(prog, row["tests"][0]["input"], 5.0)] * n)):
+        workloads = (("trivial", [("print(1)", "", 5.0)] * n),
+                     ("codecontests", [(prog, row["tests"][0]["input"], 5.0)] * n))
+        for name, jobs in workloads:
             rates = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -94,7 +107,8 @@ def bench_sandbox(n=64, repeats=3):
     S._BWRAP_OK = None
     res["bwrap_over_guard_trivial"] = res["trivial_bwrap_per_s"] / res["trivial_guard_per_s"]
     res["bwrap_over_guard_codecontests"] = res["codecontests_bwrap_per_s"] / res["codecontests_guard_per_s"]
-    print(json.dumps({"bench": f"sandbox executions/s, {n} runs, {S.WORKERS} at a time, {os.cpu_count()} cores, median of {repeats}", **res}))
+    what = f"sandbox executions/s, {n} runs, {S.WORKERS} at a time, {os.cpu_count()} cores, median of {repeats}"
+    print(json.dumps({"bench": what, **res}))
 
 
 def bench_env_one(task):
@@ -110,12 +124,24 @@ def bench_env_one(task):
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(M.Qwen3Config(**M.SIZES["tiny"]).to_hf(), f)
     eng = ScriptedEngine(d, seed=0, script=DefaultScript(p_wrong=0.3, p_loop=0.05, p_hostile=0.02))
-    agents = Agents(AutoTokenizer.from_pretrained(d), [eng], {r: 0 for r in ("tool", "coder", "tester", "reasoner")}, 100000)
+    agents = Agents(
+        AutoTokenizer.from_pretrained(d), [eng], {r: 0 for r in ("tool", "coder", "tester", "reasoner")}, 100000
+    )
     rows = E.load_split(task, "train")
     rng = random.Random(0)
     envs = [E.train_env(task, rng, "mas", False, rows) for _ in range(16)]
     timer = {}
-    tree_rollout(envs, agents, 4, 2, dict(temperature=1.0, top_p=1.0, max_new_tokens=100000), 1.0, "greedy", random.Random(0), timer)
+    tree_rollout(
+        envs,
+        agents,
+        4,
+        2,
+        dict(temperature=1.0, top_p=1.0, max_new_tokens=100000),
+        1.0,
+        "greedy",
+        random.Random(0),
+        timer,
+    )
     import sandbox as S
     print(json.dumps({"env_s": timer["env"], "runs": S.stats["runs"], "cached": S.stats["cached"]}))
 
@@ -125,12 +151,22 @@ def bench_env():
     import subprocess
     out = {}
     for task in ("math", "code"):
-        for mode, env in (("serial", {"SANDBOX_WORKERS": "1", "SCORE_THREADS": "1", "SANDBOX_CACHE": "0"}), ("default", {})):
-            r = subprocess.run([sys.executable, __file__, "env_one", task], env={**os.environ, **env}, capture_output=True, text=True)
+        serial = {"SANDBOX_WORKERS": "1", "SCORE_THREADS": "1", "SANDBOX_CACHE": "0"}
+        for mode, env in (("serial", serial), ("default", {})):
+            r = subprocess.run(
+                [sys.executable, __file__, "env_one", task], env={**os.environ, **env}, capture_output=True, text=True
+            )
             out[f"{task}_{mode}"] = json.loads(r.stdout.strip().splitlines()[-1])
         out[f"{task}_default_over_serial"] = out[f"{task}_default"]["env_s"] / out[f"{task}_serial"]["env_s"]
-    print(json.dumps({"bench": "environment seconds per step, scripted policy, 16 envs, K=4, 2 turns, 5% looping programs, "
-                      f"tool timeout 5 s, test timeout 6 s, {os.cpu_count()} cores", **out}))
+    print(
+        json.dumps(
+            {
+                "bench": "environment seconds per step, scripted policy, 16 envs, K=4, 2 turns, 5% looping programs, "
+                f"tool timeout 5 s, test timeout 6 s, {os.cpu_count()} cores",
+                **out,
+            }
+        )
+    )
 
 
 def bench_train(n_rollouts=3, repeats=5):
@@ -157,8 +193,16 @@ def bench_train(n_rollouts=3, repeats=5):
         rng = random.Random(f"bench-{r}")
         envs = [E.train_env("plan", rng, "mas", True) for _ in range(cfg["envs_per_step"])]
         agents.seed_base = r
-        samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], dict(temperature=1.0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"]),
-                               1.0, "greedy", rng)
+        samples = tree_rollout(
+            envs,
+            agents,
+            cfg["K"],
+            cfg["turns"],
+            dict(temperature=1.0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"]),
+            1.0,
+            "greedy",
+            rng,
+        )
         rollouts.append(compute_advantages(samples, "at_grpo")[0])
     model0 = M.load_model(base)
     res = {True: [], False: []}
@@ -169,27 +213,41 @@ def bench_train(n_rollouts=3, repeats=5):
                 m = copy.deepcopy(model0)
                 opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
                 t0 = time.perf_counter()
-                st = T.update_policy(m, opt, samples, {**cfg, "pack": pack, "split": "groups" if pack else "strided"}, 1,
-                                    torch.device("cpu"))
+                st = T.update_policy(
+                    m,
+                    opt,
+                    samples,
+                    {**cfg, "pack": pack, "split": "groups" if pack else "strided"},
+                    1,
+                    torch.device("cpu"),
+                )
                 res[pack].append(time.perf_counter() - t0)
-                toks.setdefault(pack, []).append(st["trained_tokens"])
-    print(json.dumps({"bench": f"update of the CPU default on {n_rollouts} real rollouts (tiny base, compact Plan-Path, 16 envs, "
-                      f"K=4, T=4, 4 mini-batches), {repeats} interleaved repeats, medians",
-                      "samples_per_step": statistics.median(len(s) for s in rollouts),
-                      "response_tokens_per_step": statistics.median(sum(len(x.response_ids) for x in s) for s in rollouts),
-                      "trained_tokens_unpacked": statistics.median(toks[False]), "trained_tokens_packed": statistics.median(toks[True]),
-                      "update_s_unpacked": statistics.median(res[False]), "update_s_packed": statistics.median(res[True]),
-                      "packed_over_unpacked": statistics.median(res[True]) / statistics.median(res[False])}))
+                toks.setdefault(pack, []).append(st.trained_tokens)
+    print(
+        json.dumps(
+            {
+                "bench": f"update of the CPU default on {n_rollouts} real rollouts (tiny base, compact Plan-Path, "
+                f"16 envs, K=4, T=4, 4 mini-batches), {repeats} interleaved repeats, medians",
+                "samples_per_step": statistics.median(len(s) for s in rollouts),
+                "response_tokens_per_step": statistics.median(sum(len(x.response_ids) for x in s) for s in rollouts),
+                "trained_tokens_unpacked": statistics.median(toks[False]),
+                "trained_tokens_packed": statistics.median(toks[True]),
+                "update_s_unpacked": statistics.median(res[False]),
+                "update_s_packed": statistics.median(res[True]),
+                "packed_over_unpacked": statistics.median(res[True]) / statistics.median(res[False]),
+            }
+        )
+    )
 
 
 def bench_gpu(parts="parity,step,update"):
     """CUDA only (`python bench.py gpu [parity,step,update]`). (1) parity: bf16 forward of our Qwen3 and of
-    transformers, each against transformers in fp32, on a 4-layer 1.7B-shaped random model, and a control with a
-    planted bug (RoPE base 1e4 instead of 1e6) to show the metric separates; (2) step: fwd+bwd+AdamW throughput and
-    MFU of the full Qwen3-1.7B shape at sequence length 4096 through FSDP2 (bf16 param / fp32 reduce, 1-rank NCCL
-    group), eager and per-block compiled, with and without activation checkpointing, each with its peak memory next to
-    memory.py's estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a
-    paper-shaped batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
+    transformers, each against transformers in fp32, on a 4-layer 1.7B-shaped random model, and a control with a planted
+    bug (RoPE base 1e4 instead of 1e6) to show the metric separates; (2) step: fwd+bwd+AdamW throughput and MFU of the
+    full Qwen3-1.7B shape at sequence length 4096 through FSDP2 (bf16 param / fp32 reduce, 1-rank NCCL group), eager and
+    per-block compiled, with and without activation checkpointing, each with its peak memory next to memory.py's
+    estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a paper-shaped
+    batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
     assert torch.cuda.is_available(), "bench.py gpu needs CUDA"
     import common as C
     C.setup_dist()  # a 1-rank NCCL group, as a lone-GPU training run makes
@@ -258,13 +316,35 @@ def gpu_step(peak):
         torch.cuda.reset_peak_memory_stats()
         s = timeit(step, 5)
         mem = torch.cuda.max_memory_allocated() / 2 ** 30
-        plan = memory.plan(cfg, world=1, gpu_gb=80, n_policies=1, micro_batch_tokens=B * Tn, grad_checkpoint=ckpt, engine="torch", rows=0)
-        est = plan["totals"]["train"] - memory.context_bytes(1) / memory.GiB - plan["rows"][1][1]["train"]  # allocator only, no engine
+        plan = memory.plan(
+            cfg,
+            world=1,
+            gpu_gb=80,
+            n_policies=1,
+            micro_batch_tokens=B * Tn,
+            grad_checkpoint=ckpt,
+            engine="torch",
+            rows=0,
+        )
+        # allocator only, no engine
+        est = plan["totals"]["train"] - memory.context_bytes(1) / memory.GiB - plan["rows"][1][1]["train"]
         tok_s = B * (Tn - 1) / s
-        print(json.dumps({"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
-                          f"checkpointing {ckpt}, compiled {compiled}", "step_s": s, "first_step_s": first, "tokens_per_s": tok_s,
-                          "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
-                          "gpu": torch.cuda.get_device_name()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
+                    f"checkpointing {ckpt}, compiled {compiled}",
+                    "step_s": s,
+                    "first_step_s": first,
+                    "tokens_per_s": tok_s,
+                    "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak,
+                    "peak_alloc_gib": mem,
+                    "planner_train_gib": est,
+                    "gpu": torch.cuda.get_device_name(),
+                }
+            ),
+            flush=True,
+        )
         del m, opt
         torch.cuda.empty_cache()
 
@@ -308,7 +388,10 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
             return st
         t0 = time.perf_counter()
         st = upd()  # warm-up (the block-mask and flex compiles)
-        print(json.dumps({"bench": f"update_policy warm-up, pack {pack}", "first_s": time.perf_counter() - t0}), flush=True)
+        print(
+            json.dumps({"bench": f"update_policy warm-up, pack {pack}", "first_s": time.perf_counter() - t0}),
+            flush=True,
+        )
         s = timeit(upd, repeats)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -316,10 +399,22 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
             wall = time.perf_counter() - t0
         busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6  # kernels only (CUDA activity alone)
         tok_s = distinct / s
-        print(json.dumps({"bench": f"train.update_policy, Qwen3-1.7B shape, {len(samples)} samples ({groups} groups x K={K}), "
-                          f"pack {pack}", "update_s": s, "distinct_tokens": distinct, "trained_tokens": st["trained_tokens"],
-                          "tokens_per_s": tok_s, "mfu": M.flops_per_token(cfg, 2048) * tok_s / peak,
-                          "over_bare_step": tok_s / bare, "gpu_busy_fraction": busy / wall}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": f"train.update_policy, Qwen3-1.7B shape, {len(samples)} samples "
+                    f"({groups} groups x K={K}), pack {pack}",
+                    "update_s": s,
+                    "distinct_tokens": distinct,
+                    "trained_tokens": st.trained_tokens,
+                    "tokens_per_s": tok_s,
+                    "mfu": M.flops_per_token(cfg, 2048) * tok_s / peak,
+                    "over_bare_step": tok_s / bare,
+                    "gpu_busy_fraction": busy / wall,
+                }
+            ),
+            flush=True,
+        )
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=6), flush=True)
 
 

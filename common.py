@@ -266,7 +266,8 @@ def code_files():
 
 def open_run(cfg, pols, master):
     """The resume point, and on rank 0 the run's folder: config.json (every resolved value), a copy of the code, an
-    empty metrics.jsonl (a resume keeps the lines its checkpoint had written, so the log equals an uninterrupted run's)."""
+    empty metrics.jsonl (a resume keeps the lines its checkpoint had written, so the log equals an uninterrupted
+    run's)."""
     out = cfg["out_dir"]
     start = Start()
     if cfg["resume"]:
@@ -280,7 +281,11 @@ def open_run(cfg, pols, master):
         for src in code_files():
             shutil.copy(os.path.join(here, src), os.path.join(out, src + ".txt"))
         metrics_path = os.path.join(out, "metrics.jsonl")
-        lines = open(metrics_path).readlines()[:start.metrics_lines] if cfg["resume"] and os.path.exists(metrics_path) else []
+        lines = (
+            open(metrics_path).readlines()[: start.metrics_lines]
+            if cfg["resume"] and os.path.exists(metrics_path)
+            else []
+        )
         open(metrics_path, "w").writelines(lines)
     return start
 

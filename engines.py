@@ -55,8 +55,10 @@ class Engine:
     def _check(self, prompts, max_new_tokens):
         for i, p in enumerate(prompts):
             if len(p) + max_new_tokens > self.max_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens {max_new_tokens} > the engine's context "
-                                 f"{self.max_len}: raise --max_model_len or shorten the observation (--max_prompt_tokens)")
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens + max_new_tokens {max_new_tokens} > the engine's context "
+                    f"{self.max_len}: raise --max_model_len or shorten the observation (--max_prompt_tokens)"
+                )
 
     def _clean(self, ids, lps):
         # vLLM can sample padded vocab rows (no token): treat one as the end of the sequence
@@ -81,11 +83,11 @@ class VLLMEngine(Engine):
                  max_num_seqs=256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton
-        # CPU backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls,
-        # the LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR there;
-        # on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on the
-        # "vllm" logger here covers what it logs while being imported, before that.
+        # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton CPU
+        # backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls, the
+        # LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR
+        # there; on CUDA WARNING. vLLM reads it when it configures its loggers, at the engine's start; the level set on
+        # the "vllm" logger here covers what it logs while being imported, before that.
         self.cuda = torch.cuda.is_available()
         level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if self.cuda else "ERROR")
         logging.getLogger("vllm").setLevel(level.upper())
@@ -151,7 +153,9 @@ class VLLMEngine(Engine):
         # Every sync warns that the (weightless) rotary and the tied lm_head "failed to load": not news. Set here, not
         # at start-up: vLLM imports that module (and sets its level) at the first reload.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": ((k, v.to(self.dtype)) for k, v in weights)}
+        )
         self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 

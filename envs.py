@@ -7,19 +7,20 @@ The tasks of the AT-GRPO paper, each a two-agent workflow.
     team = env.team_reward(); env.end_turn(); env.done, env.success
     branch = env.clone()                      # independent copy for tree sampling
 
-Tasks and roles (SPEC §4):
+Tasks and roles (docs/method.md §6):
     plan, sokoban, sudoku   tool -> plan       sequential: the tool agent writes Python whose printed answer is
-                                               simulated on a copy; the plan agent gives the final answer
+                                               simulated on a copy; the plan agent gives the final
+                                               answer
     code                    coder || tester    parallel: program vs generated unit tests
     math                    tool || reasoner   parallel: Python answer vs \\boxed{} answer
-`workflow="single"` keeps only the last role of each (plan agent, coder, reasoner): the paper's single-agent baseline.
-`compact=True` (the embedded CPU default) keeps the same state, rules and rewards but renders terse prompts and
-lets the tool agent answer with the action list itself instead of a program, so that a tiny model trained from
-scratch can learn it in minutes.
+`workflow="single"` keeps only the last role of each (plan agent, coder, reasoner): the paper's
+single-agent baseline. `compact=True` (the embedded CPU default) keeps the same state, rules and
+rewards but renders terse prompts and lets the tool agent answer with the action list itself instead
+of a program, so that a tiny model trained from scratch can learn it in minutes.
 
-This file imports neither torch nor vllm. Model output is untrusted: parsers never raise; an unparseable answer
-gets the format penalty; model code runs only in sandbox.py's `run_code` (bubblewrap namespaces, rlimits, an audit
-hook).
+This file imports neither torch nor vllm. Model output is untrusted: parsers never raise; an
+unparseable answer gets the format penalty; model code runs only in sandbox.py's `run_code`
+(bubblewrap namespaces, rlimits, an audit hook).
 """
 import copy
 import json
@@ -27,15 +28,17 @@ import os
 import random
 import re
 from collections import deque
+from typing import NamedTuple
 
 import judge
 from judge import _actual, code_pass_rate, math_equal, reference_solution, run_asserts, run_tests
 from sandbox import run_code  # model-written code runs only there
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-# Wall-clock limits of model-written programs (train.py --tool_timeout / --test_timeout set them). A tool agent's
-# program (games: a search on a small grid; math: arithmetic, maybe sympy, whose import alone takes ~1 s) needs
-# seconds, and every looping candidate costs the whole limit; a code test gets LiveCodeBench's own 6 s per test.
+# Wall-clock limits of model-written programs (train.py --tool_timeout / --test_timeout set them). A
+# tool agent's program (games: a search on a small grid; math: arithmetic, maybe sympy, whose import
+# alone takes ~1 s) needs seconds, and every looping candidate costs the whole limit; a code test
+# gets LiveCodeBench's own 6 s per test.
 TOOL_TIMEOUT = 5.0
 
 
@@ -61,8 +64,8 @@ def extract_code(text):
 
 
 def parse_actions(text, compact=False):
-    """Action list from an answer: JSON list after the last '####' (or the last JSON-ish list anywhere), or, in
-    compact mode, the bare letters 'URDL...'. None when nothing parses."""
+    """Action list from an answer: JSON list after the last '####' (or the last JSON-ish list
+    anywhere), or, in compact mode, the bare letters 'URDL...'. None when nothing parses."""
     text = (text or "")[-4000:]
     if "####" in text:
         text = text.rsplit("####", 1)[1]
@@ -110,7 +113,8 @@ PLAN_SYS = ("You are the plan agent of a two-agent team. A tool agent wrote a pr
 
 
 class GridGame:
-    """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and rewards."""
+    """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and
+    rewards."""
     roles_mas = ("tool", "plan")
     answer_fmt = ""
     fail_reward = -2.0
@@ -118,19 +122,23 @@ class GridGame:
     def __init__(self, workflow="mas", compact=False):
         self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
         self.compact, self.turn, self.done, self.success = compact, 0, False, False
-        self.tool_text, self.tool_out, self.tool_sim = None, None, None  # what the plan agent sees this turn
+        # what the plan agent sees this turn
+        self.tool_text, self.tool_out, self.tool_sim = None, None, None
         self.format_ok = True
 
     @property
-    def stages(self):  # sequential: one agent at a time (the rollouts run a turn as these stages, in order)
+    # sequential: one agent at a time (the rollouts run a turn as these stages, in order)
+    def stages(self):
         return [(r,) for r in self.roles]
 
     def clone(self):
         return copy.deepcopy(self)
 
-    # subclasses: board() text, parse(text) -> action or None, simulate(action) -> (reward, solved, note) on self
+    # subclasses: board() text, parse(text) -> action or None, simulate(action) -> (reward, solved,
+    # note) on self
     def tool_answer(self, text):
-        """The tool agent's answer: the printed output of its program (compact mode: the text itself)."""
+        """The tool agent's answer: the printed output of its program (compact mode: the text
+        itself)."""
         if self.compact:
             return text, self.parse(text)
         code = extract_code(text)
@@ -167,7 +175,8 @@ class GridGame:
         self.turn += 1
 
     def tool_line(self):
-        """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the simulated verdict."""
+        """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the
+        simulated verdict."""
         return f"{(self.tool_out or '')[:MAX_ACTIONS]}={'ok' if self.tool_sim == 'solved' else 'no'}"
 
     def observe(self, role):
@@ -189,7 +198,8 @@ class GridGame:
 
 
 def bfs(start, neighbours, is_goal, limit=200000):
-    """Shortest action list from `start` to a goal state; neighbours(s) -> [(action, s2)]. None if unreachable."""
+    """Shortest action list from `start` to a goal state; neighbours(s) -> [(action, s2)]. None if
+    unreachable."""
     prev, q = {start: None}, deque([start])
     while q and len(prev) < limit:
         s = q.popleft()
@@ -229,8 +239,9 @@ class PlanPath(GridGame):
         self.start, self.shortest, self.moves = start, len(path), 0
 
     def summary(self):
-        """Compact mode's extra line: the goal offset and the four neighbours ('.' free, '#' blocked or off-grid),
-        e.g. '+2-1 U.D#L.R#'. Same information as the grid, in a form a tiny model learns from in minutes."""
+        """Compact mode's extra line: the goal offset and the four neighbours ('.' free, '#' blocked
+        or off-grid), e.g. '+2-1 U.D#L.R#'. Same information as the grid, in a form a tiny model
+        learns from in minutes."""
         free = dict(self.neighbours(self.pos))
         dr, dc = self.goal[0] - self.pos[0], self.goal[1] - self.pos[1]
         return f"{dr:+d}{dc:+d} " + "".join(a + ("." if a in free else "#") for a in "UDLR")
@@ -258,16 +269,18 @@ class PlanPath(GridGame):
         return parse_actions(text, self.compact)
 
     def apply(self, actions):
-        """Execute moves; per-move reward (SPEC §4): -0.01 valid / -0.10 invalid, shaping 0.99*phi' - phi with
-        phi = -manhattan, +1 on reaching the goal, +0.5 more if the valid moves so far form a shortest path (the
-        reference counts every action instead: a documented difference, docs/design.md)."""
+        """Execute moves; per-move reward (docs/method.md §6): -0.01 valid / -0.10 invalid, shaping
+        0.99*phi' - phi with phi = -manhattan, +1 on reaching the goal, +0.5 more if the valid moves
+        so far form a shortest path (the reference counts every action instead: a documented
+        difference, docs/design.md)."""
         total, invalid = 0.0, 0
         for a in actions:
             if self.pos == self.goal:
                 break
             phi = -abs(self.pos[0] - self.goal[0]) - abs(self.pos[1] - self.goal[1])
             nxt = dict(self.neighbours(self.pos)).get(a)
-            if nxt is None:  # a wall bump costs -0.10 here and does not count as a move toward "shortest"
+            # a wall bump costs -0.10 here and does not count as a move toward "shortest"
+            if nxt is None:
                 total -= 0.10
                 invalid += 1
             else:
@@ -311,13 +324,15 @@ class Sokoban(GridGame):
         self.size, self.walls, self.goal, self.box, self.player, self.moves = size, walls, goal, box, player, 0
 
     def summary(self):
-        """Compact mode's extra line, as Plan-Path's: the push spot's offset from the player, the goal's offset from
-        the box, and what each move meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a
-        wall), e.g. '+1+3 +0-2 U#D.L#R.'. The push spot is the cell behind the box, away from the goal along the
-        goal's longer offset (ties: rows), so "walk to the spot, then push along that offset" is Plan-Path's "walk
-        along the offset" twice. Same information as the room, in a form a tiny model learns from (docs/design.md)."""
+        """Compact mode's extra line, as Plan-Path's: the push spot's offset from the player, the
+        goal's offset from the box, and what each move meets ('.' free, '#' wall, '$' a box it can
+        push, 'x' a box stuck against a wall), e.g. '+1+3 +0-2 U#D.L#R.'. The push spot is the cell
+        behind the box, away from the goal along the goal's longer offset (ties: rows), so "walk to
+        the spot, then push along that offset" is Plan-Path's "walk along the offset" twice. Same
+        information as the room, in a form a tiny model learns from (docs/design.md)."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
-        if abs(gr - br) >= abs(gc - bc):  # the push's direction, one step along the goal's longer offset
+        # the push's direction, one step along the goal's longer offset
+        if abs(gr - br) >= abs(gc - bc):
             push = ((gr > br) - (gr < br), 0)
         else:
             push = (0, (gc > bc) - (gc < bc))
@@ -368,8 +383,8 @@ class Sokoban(GridGame):
         return nxt, box
 
     def apply(self, actions):
-        """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping 0.1*(0.99*phi' - phi)
-        with phi = -box distance to the goal, +10 on solving."""
+        """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping
+        0.1*(0.99*phi' - phi) with phi = -box distance to the goal, +10 on solving."""
         total = 0.0
         for a in actions:
             if self.box == self.goal:
@@ -438,9 +453,13 @@ class Sudoku(GridGame):
     def __init__(self, seed, workflow="mas", compact=False):
         super().__init__(workflow, compact)
         rng = random.Random(f"sudoku-{seed}")
-        base = [[(2 * (r % 2) + r // 2 + c) % 4 + 1 for c in range(4)] for r in range(4)]  # a valid 4x4 grid
+        # a valid 4x4 grid
+        base = [[(2 * (r % 2) + r // 2 + c) % 4 + 1 for c in range(4)] for r in range(4)]
         digits = rng.sample(range(1, 5), 4)
-        rows = rng.sample([0, 1], 2) + rng.sample([2, 3], 2) if rng.random() < 0.5 else rng.sample([2, 3], 2) + rng.sample([0, 1], 2)
+        if rng.random() < 0.5:
+            rows = rng.sample([0, 1], 2) + rng.sample([2, 3], 2)
+        else:
+            rows = rng.sample([2, 3], 2) + rng.sample([0, 1], 2)
         cols = rng.sample([0, 1], 2) + rng.sample([2, 3], 2)
         full = [[digits[base[r][c] - 1] for c in cols] for r in rows]
         puzzle = [row[:] for row in full]
@@ -452,10 +471,11 @@ class Sudoku(GridGame):
         self.clues, self.grid = puzzle, [row[:] for row in puzzle]
 
     def summary(self):
-        """Compact mode's view: one character per cell in reading order, the digit of a filled cell, or for an empty
-        cell the set of digits its row, column and box still allow, as a letter (bitmask - 1: a={1}, b={2}, c={1,2},
-        d={3}, ..., h={4}, ..., o={1,2,3,4}; '!' none left), e.g. '1d3b4hcc...'. Same information as the grid (the
-        candidates follow from it), aligned with the 16-digit answer, so a tiny model learns it in minutes."""
+        """Compact mode's view: one character per cell in reading order, the digit of a filled cell,
+        or for an empty cell the set of digits its row, column and box still allow, as a letter
+        (bitmask - 1: a={1}, b={2}, c={1,2}, d={3}, ..., h={4}, ..., o={1,2,3,4}; '!' none left),
+        e.g. '1d3b4hcc...'. Same information as the grid (the candidates follow from it), aligned
+        with the 16-digit answer, so a tiny model learns it in minutes."""
         out = ""
         for r in range(4):
             for c in range(4):
@@ -467,8 +487,8 @@ class Sudoku(GridGame):
         return out
 
     def observe(self, role):
-        """Compact mode: the view line last (a fixed distance from the answer that it aligns with), after the tool
-        agent's grid and its simulated verdict for the plan agent."""
+        """Compact mode: the view line last (a fixed distance from the answer that it aligns with),
+        after the tool agent's grid and its simulated verdict for the plan agent."""
         if not self.compact:
             return super().observe(role)
         c = self.summary()
@@ -484,7 +504,8 @@ class Sudoku(GridGame):
         return "\n".join("".join(str(v) for v in row) for row in self.grid)
 
     def parse(self, text):
-        """[(r, c, v)] fills from a 4x4 grid (JSON, or 16 digits in compact mode) or a list of [r, c, v]."""
+        """[(r, c, v)] fills from a 4x4 grid (JSON, or 16 digits in compact mode) or a list of [r,
+        c, v]."""
         text = (text or "")[-4000:]
         if "####" in text:
             text = text.rsplit("####", 1)[1]
@@ -512,21 +533,24 @@ class Sudoku(GridGame):
 
     @staticmethod
     def legal(g, r, c, v):
-        """No other cell of (r, c)'s row, column or box holds v (the cell's own value does not count)."""
+        """No other cell of (r, c)'s row, column or box holds v (the cell's own value does not
+        count)."""
         if any(g[r][j] == v for j in range(4) if j != c) or any(g[i][c] == v for i in range(4) if i != r):
             return False
         br, bc = r // 2 * 2, c // 2 * 2
         return all(g[i][j] != v for i in range(br, br + 2) for j in range(bc, bc + 2) if (i, j) != (r, c))
 
     def apply(self, fills):
-        """Only the clues are fixed: a fill may set an empty cell or change an earlier fill, so one wrong guess never
-        locks the puzzle. +0.1 per legal fill that changes a cell, -0.3 per illegal one (bad range, changing a clue,
-        or clashing with its row/column/box), +2 when solved. A full-grid answer is judged as a whole: each changed
-        cell is checked against the answer grid itself (so a correct grid always solves the puzzle), and a 0 in it
-        means "no answer for this cell" (the cell keeps its value, no reward, no penalty)."""
+        """Only the clues are fixed: a fill may set an empty cell or change an earlier fill, so one
+        wrong guess never locks the puzzle. +0.1 per legal fill that changes a cell, -0.3 per
+        illegal one (bad range, changing a clue, or clashing with its row/column/box), +2 when
+        solved. A full-grid answer is judged as a whole: each changed cell is checked against the
+        answer grid itself (so a correct grid always solves the puzzle), and a 0 in it means "no
+        answer for this cell" (the cell keeps its value, no reward, no penalty)."""
         full = len(fills) == 16 and {(r, c) for r, c, _ in fills} == {(r, c) for r in range(4) for c in range(4)}
         ref = self.grid
-        if full:  # the grid as the answer proposes it (clues kept): what each changed cell is checked against
+        # the grid as the answer proposes it (clues kept): what each changed cell is checked against
+        if full:
             ref = [row[:] for row in self.grid]
             for r, c, v in fills:
                 if 1 <= v <= 4 and not self.clues[r][c]:
@@ -550,9 +574,10 @@ class Sudoku(GridGame):
         return total + (2.0 if solved else 0.0), solved, f"{sum(v == 0 for row in self.grid for v in row)} empty cells"
 
     def fill_reward(self, r, c, v):
-        """A legal fill of an empty cell: the spec's partial progress, +0.1, whether or not v is the solution's digit.
-        Rewriting a filled cell with another legal digit earns 0: it is allowed (a wrong fill can be recovered) but
-        it is not progress, so toggling one cell never pays (the reference charges -0.3 for it: docs/design.md)."""
+        """A legal fill of an empty cell: the spec's partial progress, +0.1, whether or not v is the
+        solution's digit. Rewriting a filled cell with another legal digit earns 0: it is allowed (a
+        wrong fill can be recovered) but it is not progress, so toggling one cell never pays (the
+        reference charges -0.3 for it: docs/design.md)."""
         return 0.0 if self.grid[r][c] else 0.1
 
 
@@ -563,12 +588,15 @@ CODER_SYS = ("You are the coder of a two-agent team. Write a complete, correct P
              "```python block.")
 TESTER_SYS = ("You are the unit tester of a two-agent team. Write {n} new test cases for the problem below that a "
               "correct solution must pass.{how}")
-TEST_FMT_IO = " Write each case as:\n**Test Input:**\n```\n<stdin>\n```\n**Test Output:**\n```\n<expected stdout>\n```"
-TEST_FMT_ASSERT = " Write each case as one Python assert line calling the function, e.g. `assert f(1, 2) == 3`, in one ```python block."
+TEST_FMT_IO = (" Write each case as:\n**Test Input:**\n```\n<stdin>\n```\n**Test Output:**\n```\n"
+               "<expected stdout>\n```")
+TEST_FMT_ASSERT = (" Write each case as one Python assert line calling the function, e.g. "
+                   "`assert f(1, 2) == 3`, in one ```python block.")
 
 
 def parse_tests(text, row):
-    """Tester output -> list of cases ({'input','output'} for io problems, assert lines for function problems)."""
+    """Tester output -> list of cases ({'input','output'} for io problems, assert lines for function
+    problems)."""
     text = (text or "")[-20000:]
     if row["test_type"] == "code":
         code = extract_code(text) or text
@@ -577,8 +605,22 @@ def parse_tests(text, row):
     return [{"input": i, "output": o} for i, o in pairs][:20]
 
 
+class Program(NamedTuple):
+    """The coder's program of a turn and its pass rate on the ground-truth tests."""
+    code: object  # str, or None when no program could be extracted
+    pass_rate: float
+
+
+class Answer(NamedTuple):
+    """A math agent's answer of a turn: what the others see of it, the answer, whether it is right."""
+    shown: str
+    answer: object  # str, or None when no answer could be parsed
+    correct: bool
+
+
 MAX_MISMATCHES = 3  # failing tester cases shown to both agents next turn
-MAX_EARLIER = 2     # earlier programs (before the current one) shown with their mismatches: the prompt budget
+# earlier programs (before the current one) shown with their mismatches: the prompt budget
+MAX_EARLIER = 2
 
 
 class CodeEnv:
@@ -588,11 +630,13 @@ class CodeEnv:
 
     def __init__(self, row, workflow="mas", train_tests=None, compact=False):
         self.row, self.roles = row, (("coder", "tester") if workflow == "mas" else ("coder",))
-        # training scores on the first few ground-truth tests, evaluation on all of them (SPEC §4)
+        # training scores on the first few ground-truth tests, evaluation on all of them
+        # (docs/method.md §6)
         self.gt = row["tests"][:train_tests] if (train_tests and row["test_type"] != "code") else row["tests"]
         self.turn, self.done, self.success = 0, False, False
         self.code, self.tests, self.history = None, [], []
-        self.attempts = []  # (code, its mismatches) of every turn so far: the history both agents see
+        # (code, its mismatches) of every turn so far: the history both agents see
+        self.attempts = []
         self.pending, self.format_ok = {}, True
         self.pass_rate = 0.0
 
@@ -609,7 +653,8 @@ class CodeEnv:
         if row["starter_code"] and row["starter_code"] not in row["question"]:
             task += f"\n\nStarter code:\n```python\n{row['starter_code']}\n```"
         if self.turn > 0:
-            for code, mism in self.attempts[:-1][-MAX_EARLIER:]:  # as the reference: past programs too
+            # as the reference: past programs too
+            for code, mism in self.attempts[:-1][-MAX_EARLIER:]:
                 task += f"\n\nAn earlier attempt:\n```python\n{_clip_mid(code or '', 1500)}\n```"
                 task += ("\nIts mismatches: " + "; ".join(mism)) if mism else ""
             task += f"\n\nCurrent code:\n```python\n{(self.code or '')[:4000]}\n```"
@@ -619,7 +664,8 @@ class CodeEnv:
         if role == "coder":
             how = " that completes the given function/class" if fn else " that reads stdin and writes stdout"
             return [{"role": "system", "content": CODER_SYS.format(how=how)}, {"role": "user", "content": task}]
-        return [{"role": "system", "content": TESTER_SYS.format(n=3, how=TEST_FMT_ASSERT if row["test_type"] == "code" else TEST_FMT_IO)},
+        how = TEST_FMT_ASSERT if row["test_type"] == "code" else TEST_FMT_IO
+        return [{"role": "system", "content": TESTER_SYS.format(n=3, how=how)},
                 {"role": "user", "content": task}]
 
     def step(self, role, text):
@@ -627,21 +673,22 @@ class CodeEnv:
             code = extract_code(text)
             self.format_ok = code is not None
             rate, syntax_ok, runs = code_pass_rate(self.row, code, self.gt)
-            self.pending["coder"] = (code, rate)
+            self.pending["coder"] = Program(code, rate)
             return 0.1 * syntax_ok + 0.1 * runs + 0.8 * rate
         cases = parse_tests(text, self.row)
         self.pending["tester"], self.format_ok = cases, bool(cases)
         if not cases:
             return 0.0
         ref = reference_solution(self.row)
-        if ref is None:  # no reference solution in the data: use the turn's code if it passes every GT test
-            code, rate = self.pending.get("coder", (self.code, self.pass_rate))
-            ref = code if rate == 1.0 else None
+        # no reference solution in the data: use the turn's code if it passes every GT test
+        if ref is None:
+            program = self.pending.get("coder", Program(self.code, self.pass_rate))
+            ref = program.code if program.pass_rate == 1.0 else None
         return 0.2 + 0.8 * (self._agree(ref, cases) if ref else 0.0)
 
     def _agree(self, solution, cases):
-        """Fraction of `cases` that `solution` passes; the mismatches, as text both agents see next turn (SPEC §4:
-        input, expected, actual; the reference shows all three too)."""
+        """Fraction of `cases` that `solution` passes; the mismatches, as text both agents see next
+        turn (docs/method.md §6: input, expected, actual; the reference shows all three too)."""
         self._mism = []
         if not cases or solution is None:
             return 0.0
@@ -661,11 +708,11 @@ class CodeEnv:
         return sum(ok for ok, _ in checks) / len(cases)
 
     def team_reward(self):
-        return self.pending.get("coder", (None, self.pass_rate))[1]
+        return self.pending.get("coder", Program(None, self.pass_rate)).pass_rate
 
     def end_turn(self):
         if "coder" in self.pending:
-            self.code, self.pass_rate = self.pending["coder"]
+            self.code, self.pass_rate = self.pending["coder"]  # a Program
         if "tester" in self.pending:
             self.tests = self.pending["tester"]
         self.pending = {}
@@ -726,7 +773,7 @@ class MathEnv:
             ans = last_boxed(text)
             self.format_ok = ans is not None
             ok = math_equal(gold, ans)
-            self.pending["reasoner"] = (_clip_mid(text or ""), ans, ok)
+            self.pending["reasoner"] = Answer(_clip_mid(text or ""), ans, ok)
             return 0.2 * (ans is not None) + 0.8 * ok
         code = extract_code(text)
         self.format_ok = code is not None
@@ -734,18 +781,20 @@ class MathEnv:
         out = r.stdout.strip() if r else ""
         ans = out.splitlines()[-1].strip() if out else None
         ok = math_equal(gold, ans)
-        self.pending["tool"] = (f"```python\n{(code or '')[:2000]}\n```\nOutput: {out[-300:]}", ans, ok)
+        shown = f"```python\n{(code or '')[:2000]}\n```\nOutput: {out[-300:]}"
+        self.pending["tool"] = Answer(shown, ans, ok)
         return 0.1 * bool(r and r.ok) + 0.1 * (ans is not None) + 0.8 * ok
 
     def team_reward(self):
-        p = self.pending.get("reasoner")  # the driver applies the reasoner's turn answer before scoring the tool's
-        return float(bool(p and p[2]))
+        # the driver applies the reasoner's turn answer before scoring the tool's
+        reasoner = self.pending.get("reasoner")
+        return float(bool(reasoner and reasoner.correct))
 
     def end_turn(self):
-        for role, (shown, ans, ok) in self.pending.items():
-            self.prev[role] = (shown, ans)
+        for role, answer in self.pending.items():
+            self.prev[role] = (answer.shown, answer.answer)
             if role == "reasoner":
-                self.success = ok
+                self.success = answer.correct
         if "tool" in self.prev and "reasoner" in self.prev:
             a, b = self.prev["tool"][1], self.prev["reasoner"][1]
             self.done = a is not None and b is not None and (a == b or math_equal(b, a))
@@ -756,19 +805,22 @@ class MathEnv:
 
 
 # -----------------------------------------------------------------------------
-# Math teams: N reasoners || M tool agents, then a judge (paper Fig. 5; SPEC §4)
+# Math teams: N reasoners || M tool agents, then a judge (the AT-GRPO paper's Fig. 5; docs/method.md
+# §6)
 
 MATH_JUDGE_SYS = ("You are the judge of a team of agents. Read the team's answers to the problem, decide which one is "
                   "right, and put the team's final answer in \\boxed{}.")
 
 
 def team_roles(n, m):
-    """The agent instances of a team, each its own role in the (env, agent, turn) key: reasoner1..N, tool1..M, judge."""
+    """The agent instances of a team, each its own role in the (env, agent, turn) key: reasoner1..N,
+    tool1..M, judge."""
     return tuple(f"reasoner{i}" for i in range(1, n + 1)) + tuple(f"tool{j}" for j in range(1, m + 1)) + ("judge",)
 
 
 def parse_team(spec, task, workflow="mas", mode="aggregate"):
-    """--team "N,M" -> (N, M, mode); "" -> None. Only math has a team workflow (the paper's Fig. 5)."""
+    """--team "N,M" -> (N, M, mode); "" -> None. Only math has a team workflow (the paper's Fig.
+    5)."""
     if not spec:
         return None
     try:
@@ -785,13 +837,15 @@ def parse_team(spec, task, workflow="mas", mode="aggregate"):
 
 
 def role_type(role):
-    """reasoner2 -> reasoner, tool1 -> tool: what an instance is (its prompt, its rewards, --policies per_type)."""
+    """reasoner2 -> reasoner, tool1 -> tool: what an instance is (its prompt, its rewards,
+    --policies per_type)."""
     return role.rstrip("0123456789")
 
 
 def _plurality(entries):
-    """The most common (answer, correct) among members' (shown, answer, correct); ties: the first in role order."""
-    votes = [(a.strip(), ok) for _, a, ok in entries if a is not None and a.strip()]
+    """The most common (answer, correct) among members' (shown, answer, correct); ties: the first in
+    role order."""
+    votes = [(e.answer.strip(), e.correct) for e in entries if e.answer is not None and e.answer.strip()]
     if not votes:
         return None
     counts = {}
@@ -801,17 +855,18 @@ def _plurality(entries):
 
 
 class TeamMathEnv(MathEnv):
-    """N reasoners and M tool agents answer in parallel, then the judge sees their answers and gives the team's.
-    mode "aggregate" (train.py's default, the reference's `math_aggretion` workflow): one turn; rewards 1/0 for a
-    correct answer (judge, reasoners), a tool agent 1 if its program prints the answer, -1 if the program fails, else
-    0; no team term. Success: the judge is right.
-    mode "refine": T turns (from turn 1 on each member sees the previous turn's answers, the judge's included).
-    Rewards (the paper gives the structure only; our reading, as SPEC §4 suggests):
+    """N reasoners and M tool agents answer in parallel, then the judge sees their answers and gives
+    the team's. mode "aggregate" (train.py's default, the reference's `math_aggretion` workflow):
+    one turn; rewards 1/0 for a correct answer (judge, reasoners), a tool agent 1 if its program
+    prints the answer, -1 if the program fails, else 0; no team term. Success: the judge is right.
+    mode "refine": T turns (from turn 1 on each member sees the previous turn's answers, the judge's
+    included). Rewards (the paper gives the structure only; our reading (docs/design.md)):
       team    1 if the team's answer is correct: the judge's, once it has answered this turn; while the members'
-              candidates are scored the judge has not answered yet, so the team's answer is then the plurality of the
-              members' answers (what a judge that votes would say)
+              candidates are scored the judge has not answered yet, so the team's answer is then the
+              plurality of the members' answers (what a judge that votes would say)
       judge   local 0.2 format + 0.8 correct (the reasoner's rule); members keep their two-agent local rewards
-    Success: the judge's answer is correct. Done: the judge's answer agrees with the members' plurality answer."""
+    Success: the judge's answer is correct. Done: the judge's answer agrees with the members'
+    plurality answer."""
 
     def __init__(self, row, n, m, mode="refine"):
         super().__init__(row, "mas")
@@ -827,7 +882,7 @@ class TeamMathEnv(MathEnv):
             msgs[0]["content"] = msgs[0]["content"].replace("a two-agent team", f"a team of {len(self.roles)} agents")
             return msgs
         task = f"Problem:\n{self.row['question']}\n\nThe team's answers:"
-        for r, (shown, ans, _) in self.pending.items():
+        for r, (shown, ans, _) in self.pending.items():  # Answer tuples
             task += f"\n\n{r} answer: {ans}\n{shown}"
         return [{"role": "system", "content": MATH_JUDGE_SYS}, {"role": "user", "content": task}]
 
@@ -836,13 +891,14 @@ class TeamMathEnv(MathEnv):
             ans = last_boxed(text)
             self.format_ok = ans is not None
             ok = math_equal(self.row["answer"], ans)
-            self.pending["judge"] = (_clip_mid(text or ""), ans, ok)
+            self.pending["judge"] = Answer(_clip_mid(text or ""), ans, ok)
             return float(ok) if self.mode == "aggregate" else 0.2 * (ans is not None) + 0.8 * ok
         kind = role_type(role)
         local = super().step(kind, text)
         self.pending[role] = self.pending.pop(kind)
-        if self.mode == "aggregate":  # the reference's sample agents: 1/0, a tool program that fails -1
-            ok = self.pending[role][2]
+        # the reference's sample agents: 1/0, a tool program that fails -1
+        if self.mode == "aggregate":
+            ok = self.pending[role].correct
             return float(ok) if kind == "reasoner" or ok else (-1.0 if local < 0.1 else 0.0)
         return local
 
@@ -850,20 +906,24 @@ class TeamMathEnv(MathEnv):
         if self.mode == "aggregate":
             return 0.0
         if "judge" in self.pending:
-            return float(self.pending["judge"][2])
+            return float(self.pending["judge"].correct)
         vote = self._vote()
         return float(bool(vote and vote[1]))
 
-    def _vote(self):  # the members' plurality (answer, correct), ties to the first member in role order
+    # the members' plurality (answer, correct), ties to the first member in role order
+    def _vote(self):
         return _plurality(self.pending[r] for r in self.roles[:-1] if r in self.pending)
 
     def end_turn(self):
         judge = self.pending.get("judge")
         vote = self._vote()
-        for role, (shown, ans, _) in self.pending.items():
-            self.prev[role] = (shown, ans)
-        self.success = bool(judge and judge[2])
-        self.done = bool(judge and judge[1] is not None and vote and (judge[1].strip() == vote[0] or math_equal(vote[0], judge[1])))
+        for role, answer in self.pending.items():
+            self.prev[role] = (answer.shown, answer.answer)
+        self.success = bool(judge and judge.correct)
+        agrees = False
+        if judge and judge.answer is not None and vote:
+            agrees = judge.answer.strip() == vote[0] or math_equal(vote[0], judge.answer)
+        self.done = agrees
         self.done = self.done or (self.mode == "aggregate" and judge is not None)  # one turn
         self.pending = {}
         self.turn += 1
@@ -882,9 +942,10 @@ def load_jsonl(path):
     return rows
 
 
-# Test seeds of the generated games are TEST_SEED0 + [0, MAX_TEST); training seeds are drawn below TEST_SEED0, and
-# a training instance whose board equals any reserved test board is redrawn: 4x4 Sudoku has few distinct puzzles,
-# so disjoint seeds alone would still overlap (the reference code's Sudoku test set overlapped its training pool).
+# Test seeds of the generated games are TEST_SEED0 + [0, MAX_TEST); training seeds are drawn below
+# TEST_SEED0, and a training instance whose board equals any reserved test board is redrawn: 4x4
+# Sudoku has few distinct puzzles, so disjoint seeds alone would still overlap (the reference code's
+# Sudoku test set overlapped its training pool).
 TEST_SEED0, MAX_TEST = 10 ** 6, 1000
 _TEST_BOARDS = {}
 TASKS = {
@@ -901,7 +962,8 @@ TASKS = {
                        "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
 }
 COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": {}, "sudoku": {}}
-# the compact answer's length in tokens of the tiny byte-level tokenizer, end of turn included (the response budget)
+# the compact answer's length in tokens of the tiny byte-level tokenizer, end of turn included (the
+# response budget)
 COMPACT_ANSWER_TOKENS = {"plan": 8, "sokoban": 8, "sudoku": 17}
 
 
@@ -918,7 +980,8 @@ def make_game(task, seed, workflow="mas", compact=False):
 
 
 def load_split(task, split, files=None):
-    """Rows of a dataset task: `files` (a user's own jsonl in the same schema) or the task's shipped files."""
+    """Rows of a dataset task: `files` (a user's own jsonl in the same schema) or the task's shipped
+    files."""
     check_task(task)
     files = files or TASKS[task][split]
     rows = []
@@ -943,7 +1006,8 @@ def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=
 
 
 def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None):
-    """Fixed evaluation instances: games from the reserved test seeds, datasets from their test files."""
+    """Fixed evaluation instances: games from the reserved test seeds, datasets from their test
+    files."""
     if task in ("plan", "sokoban", "sudoku"):
         if (limit or n) > MAX_TEST:
             raise ValueError(f"at most {MAX_TEST} test instances are reserved for {task}")
@@ -953,7 +1017,8 @@ def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None,
 
 
 def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None):
-    """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training pool."""
+    """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training
+    pool."""
     if task in ("plan", "sokoban", "sudoku"):
         key = (task, compact)
         if key not in _TEST_BOARDS:

@@ -1,19 +1,20 @@
 """
-Evaluate checkpoints on a task's test set with the evaluation protocol (docs/method.md, "Evaluation").
-Tables and curves of training runs: tools/runs.py.
+Evaluate checkpoints on a task's test set with the evaluation protocol (docs/method.md,
+"Evaluation"). Tables and curves of training runs: tools/runs.py.
 
-    python eval.py --task plan --model runs/default/ckpt/policy-tool+plan     # MAS, greedy, one sample
-    python eval.py --task plan --model M --workflow single                   # the single-agent baseline
-    python eval.py --task plan --policy tool=A --policy plan=B               # a checkpoint per role (swaps)
-    python eval.py --task math --team 2,2 --model M                          # N reasoners + M tools + a judge
-    python eval.py --task math --model M --eval_k 4 --eval_temperature 0.6   # math's protocol: avg@4, pass@4
+    python eval.py --task plan --model runs/default/ckpt/policy-tool+plan  # MAS, greedy
+    python eval.py --task plan --model M --workflow single       # the single-agent baseline
+    python eval.py --task plan --policy tool=A --policy plan=B   # a model per role (swaps)
+    python eval.py --task math --team 2,2 --model M              # N reasoners, M tools, a judge
+    python eval.py --task math --model M --eval_k 8              # math: avg@k, pass@k at 0.6
 
-The flags are train.py's, resolved the same way: a preset (tiny for a tiny model, else paper, paper-math
-or paper-code) over the recipe, the flags given on top. The protocol lives in the recipe's eval_* rows.
-Rollouts are the training code's (plain rollouts, no tree: rollout.evaluate). Accuracy = the fraction of
-instances whose episode ends in success. With k samples per instance: avg@k = mean success over all
-samples, pass@k = the unbiased estimator 1 - C(n-c, k)/C(n, k) averaged over instances (n = k).
-95% intervals: Wilson for a proportion (k = 1), else a normal interval over the per-instance values.
+The flags are train.py's, resolved the same way: a preset (tiny for a tiny model, else paper,
+paper-math or paper-code) over the recipe, the flags given on top. The protocol lives in the
+recipe's eval_* rows. Rollouts are the training code's (plain rollouts, no tree: rollout.evaluate).
+Accuracy = the fraction of instances whose episode ends in success. With k samples per instance:
+avg@k = mean success over all samples, pass@k = the unbiased estimator 1 - C(n-c, k)/C(n, k)
+averaged over instances (n = k). 95% intervals: Wilson for a proportion (k = 1), else a normal
+interval over the per-instance values.
 """
 import json
 import os
@@ -27,8 +28,8 @@ from rollout import Agents, evaluate
 
 # -----------------------------------------------------------------------------
 # config: eval.py's own flags; the others are train.py's (TRAIN_FLAGS), with its presets
-limit = 0                  # evaluate the first N instances only; 0 = all (games: --eval_n test seeds)
-files = ""                 # code/math: a test jsonl (repeatable; a shipped path or your own, same schema)
+limit = 0                  # the first N instances only; 0 = all (games: --eval_n test seeds)
+files = ""                 # code/math: a test jsonl (repeatable; shipped, or your own)
 out = ""                   # write OUT.json and OUT.md
 # -----------------------------------------------------------------------------
 
@@ -69,7 +70,8 @@ def configure(argv):
         if k not in given and k in cfg:
             cfg[k] = v
     if "max_model_len" not in given:  # room for a whole prompt and a whole answer
-        cfg["max_model_len"] = max(cfg["max_model_len"], cfg["max_prompt_tokens"] + cfg["eval_max_new_tokens"])
+        whole = cfg["max_prompt_tokens"] + cfg["eval_max_new_tokens"]
+        cfg["max_model_len"] = max(cfg["max_model_len"], whole)
     for name in ("eval_k", "eval_turns", "eval_max_new_tokens", "eval_n", "max_prompt_tokens"):
         if cfg[name] < 1:
             raise SystemExit(f"--{name} {cfg[name]}: use at least 1")
@@ -81,9 +83,10 @@ def configure(argv):
     if cfg["eval_temperature"] < 0:
         raise SystemExit(f"--eval_temperature {cfg['eval_temperature']}: use 0 (greedy) or above")
     context = min(c.get("max_position_embeddings", 40960) for c in configs)
-    fitted = C.fit_context(cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"], context)
-    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"] = fitted
-    cfg["compact"] = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")  # a tiny model plays the compact games
+    budgets = cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"]
+    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"] = C.fit_context(*budgets, context)
+    # a tiny model plays the compact games
+    cfg["compact"] = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
     return cfg, paths
 
 
@@ -127,20 +130,23 @@ def main(argv):
     cfg, paths = configure(argv)
     task, workflow = cfg["task"], cfg["workflow"]
     E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
-    test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow,
-                           files=[f for f in cfg["files"].split(",") if f] or None, limit=cfg["limit"] or None,
-                           team=P.parse_team(cfg))
+    files = [f for f in cfg["files"].split(",") if f] or None
+    test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow, files=files,
+                           limit=cfg["limit"] or None, team=P.parse_team(cfg))
 
     from transformers import AutoTokenizer
     folders = sorted(set(paths.values()))
-    engines = [P.make_engine(cfg["engine"], p, seed=0, max_len=cfg["max_model_len"]) for p in folders]
+    engines = [P.make_engine(cfg["engine"], folder, seed=0, max_len=cfg["max_model_len"])
+               for folder in folders]
     role_to_policy = {r: folders.index(p) for r, p in paths.items()}
     agents = Agents(AutoTokenizer.from_pretrained(folders[0]), engines, role_to_policy,
                     max_prompt_tokens=cfg["max_prompt_tokens"], thinking=cfg["thinking"])
-    res = evaluate(test_envs, agents, cfg["eval_turns"], k=cfg["eval_k"], temperature=cfg["eval_temperature"],
-                   max_new_tokens=cfg["eval_max_new_tokens"], progress=True)
+    res = evaluate(test_envs, agents, cfg["eval_turns"], k=cfg["eval_k"],
+                   temperature=cfg["eval_temperature"], max_new_tokens=cfg["eval_max_new_tokens"],
+                   progress=True)
     sampling = "greedy" if cfg["eval_temperature"] == 0 else f"T={cfg['eval_temperature']}"
-    protocol = f"{task}, {workflow}, {sampling}, k={cfg['eval_k']}, turns={cfg['eval_turns']}, n={res['n']}"
+    protocol = (f"{task}, {workflow}, {sampling}, k={cfg['eval_k']}, turns={cfg['eval_turns']}, "
+                f"n={res['n']}")
     res.update(task=task, workflow=workflow, policies=paths, protocol=protocol)
     md = markdown(res, f"{task} ({protocol}); " + ", ".join(f"{r}={p}" for r, p in paths.items()))
     print(md)

@@ -2,7 +2,8 @@
 Grouping, advantages and the PPO-clip loss for multi-agent GRPO. Pure functions; imports torch only.
 
 The three algorithms differ only in two things, both dictionaries below (docs/method.md, "Groups"):
-which samples share a baseline (the group key, `KEYS`), and what scalar is normalized inside the group (`VALUE`).
+which samples share a baseline (the group key, `KEYS`), and what scalar is normalized inside the
+group (`VALUE`).
 
     algo      group key             normalized value                   statistics over
     at_grpo   (env, agent, turn)    the call's reward a*team + local   the K sibling candidates (tree)
@@ -52,7 +53,8 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
-    # 2. each group's values, one per unit the statistics count (grpo: one return per trajectory and agent)
+    # 2. each group's values, one per unit the statistics count (grpo: one return per trajectory and
+    # agent)
     values = {key: group_values(group, algo) for key, group in groups.items()}
     # 3. scale "batch": the population std of every value of the step, on every rank
     batch_std = 0.0
@@ -90,8 +92,8 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
 
 
 def group_values(group, algo):
-    """The values a group's mean and std are taken over: one per sample, except for grpo, where an agent's return
-    is the same on each of its turns and counts once per (trajectory, agent)."""
+    """The values a group's mean and std are taken over: one per sample, except for grpo, where an
+    agent's return is the same on each of its turns and counts once per (trajectory, agent)."""
     if algo != "grpo":
         return [VALUE[algo](s) for s in group]
     returns = {}
@@ -119,16 +121,18 @@ def by_agent_turn(samples):
 
 
 # -----------------------------------------------------------------------------
-# the training batch: samples -> mini-batches (one optimizer step each) -> rows -> micro-batches -> tensors
+# the training batch: samples -> mini-batches (one optimizer step each) -> rows -> micro-batches ->
+# tensors
 
 
 @dataclass
 class Row:
-    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed (`--pack`): samples
-    that share a prompt (AT-GRPO's K siblings share it by construction) in one row: the prompt once, then each response
-    in its own segment, which sees the prompt and itself only, with positions that continue from the prompt's end, so
-    every response token has exactly the context it was sampled with and the prompt is trained once, not K times.
-    `sel` are the positions whose next-token distribution scores each target (the prompt's last position for every
+    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed
+    (`--pack`): samples that share a prompt (AT-GRPO's K siblings share it by construction) in one
+    row: the prompt once, then each response in its own segment, which sees the prompt and itself
+    only, with positions that continue from the prompt's end, so every response token has exactly
+    the context it was sampled with and the prompt is trained once, not K times. `sel` are the
+    positions whose next-token distribution scores each target (the prompt's last position for every
     response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob)."""
     ids: list
     pos: list
@@ -137,7 +141,8 @@ class Row:
     tgt: list
     adv: list
     slp: list
-    old: object = None  # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
+    # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
+    old: object = None
 
 
 def make_rows(samples, pack):
@@ -163,11 +168,12 @@ def make_rows(samples, pack):
 
 
 def split_minibatches(samples, n_mini, how):
-    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree group's K siblings
-    spread over the mini-batches and every step sees every env. groups: a group of samples that share a prompt
-    (AT-GRPO's K siblings) stays in one mini-batch, groups dealt round-robin; packing needs this (siblings must meet
-    in a row), and verl does the same in effect: its rollouts repeat each prompt's n responses contiguously
-    (`repeat(interleave=True)`) and its mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
+    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree
+    group's K siblings spread over the mini-batches and every step sees every env. groups: a group
+    of samples that share a prompt (AT-GRPO's K siblings) stays in one mini-batch, groups dealt
+    round-robin; packing needs this (siblings must meet in a row), and verl does the same in effect:
+    its rollouts repeat each prompt's n responses contiguously (`repeat(interleave=True)`) and its
+    mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
     if how == "strided":
         return [samples[i::n_mini] for i in range(n_mini)]
     groups = {}
@@ -180,8 +186,9 @@ def split_minibatches(samples, n_mini, how):
 
 
 def micro_batches(rows, budget, all_max=lambda n: n):
-    """Greedy packing of rows by padded token count, longest first; then padded with zero-weight DUMMY micro-batches
-    to the most any rank has (`all_max` over ranks): every rank runs the same number of FSDP forwards."""
+    """Greedy packing of rows by padded token count, longest first; then padded with zero-weight
+    DUMMY micro-batches to the most any rank has (`all_max` over ranks): every rank runs the same
+    number of FSDP forwards."""
     rows = sorted(rows, key=lambda r: -len(r.ids))
     out, cur = [], []
     for r in rows:
@@ -194,22 +201,30 @@ def micro_batches(rows, budget, all_max=lambda n: n):
 
 
 def collate(mb, device, flex=None):
-    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row is packed
-    (`packed_mask`)."""
+    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row
+    is packed (`packed_mask`)."""
     B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
     packed = any(max(r.seg) > 1 for r in mb)
     flex = packed and (device.type == "cuda" if flex is None else flex)
-    if flex:  # whole 128-blocks: below 128 query rows torch 2.11 lowers flex to its decoding kernel, which found no
-        T = -(-T // 128) * 128  # valid config for a GQA training batch (H100); 128 is flex's block size anyway
-    ids, pos, seg = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.full((B, T), -1)
-    sel, tgt = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
+    if flex:  # whole 128-blocks: below 128 query rows torch 2.11 lowers flex to its decoding kernel,
+        T = -(-T // 128) * 128  # which has no config for a GQA training batch (H100)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    seg = torch.full((B, T), -1)
+    sel = torch.zeros(B, N, dtype=torch.long)
+    tgt = torch.zeros(B, N, dtype=torch.long)
     w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
     old = torch.zeros(B, N) if mb[0].old is not None else None
     for b, r in enumerate(mb):
-        ids[b, :len(r.ids)], pos[b, :len(r.ids)], seg[b, :len(r.ids)] = torch.tensor(r.ids), torch.tensor(r.pos), torch.tensor(r.seg)
-        n = len(r.tgt)
-        sel[b, :n], tgt[b, :n], w[b, :n] = torch.tensor(r.sel), torch.tensor(r.tgt), float(r is not DUMMY)
-        adv[b, :n], slp[b, :n] = torch.tensor(r.adv, dtype=torch.float32), torch.tensor(r.slp, dtype=torch.float32)
+        T_r, n = len(r.ids), len(r.tgt)
+        ids[b, :T_r] = torch.tensor(r.ids)
+        pos[b, :T_r] = torch.tensor(r.pos)
+        seg[b, :T_r] = torch.tensor(r.seg)
+        sel[b, :n] = torch.tensor(r.sel)
+        tgt[b, :n] = torch.tensor(r.tgt)
+        w[b, :n] = float(r is not DUMMY)
+        adv[b, :n] = torch.tensor(r.adv, dtype=torch.float32)
+        slp[b, :n] = torch.tensor(r.slp, dtype=torch.float32)
         if old is not None:
             old[b, :n] = r.old
     attn = packed_mask(seg, device, flex) if packed else None
@@ -219,27 +234,29 @@ def collate(mb, device, flex=None):
 
 @functools.cache
 def _block_mask_builder(compiled):
-    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T grid; compiled, it
-    works block by block (torchtitan `torchtitan/models/attention.py` compiles it for the same reason). CPU tests
-    run it eagerly."""
+    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T
+    grid; compiled, it works block by block (torchtitan `torchtitan/models/attention.py` compiles it
+    for the same reason). CPU tests run it eagerly."""
     from torch.nn.attention.flex_attention import create_block_mask
     return torch.compile(create_block_mask) if compiled else create_block_mask
 
 
 def packed_mask(seg, device, flex):
-    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key is visible if it is
-    in the prompt or in the query's own segment (a pad query sees the pads before it, so no row is empty).
-    On CUDA a flex-attention BlockMask: it stores which 128x128 blocks are empty, full or partial, so at the paper's
-    lengths (~1k prompt + K x 2k) the kernel skips the siblings' blocks and no dense mask exists (a dense bool one
-    would be 81 MB per row). On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB
-    per row at the CPU default's ~100 tokens."""
+    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key
+    is visible if it is in the prompt or in the query's own segment (a pad query sees the pads
+    before it, so no row is empty). On CUDA a flex-attention BlockMask: it stores which 128x128
+    blocks are empty, full or partial, so at the paper's lengths (~1k prompt + K x 2k) the kernel
+    skips the siblings' blocks and no dense mask exists (a dense bool one would be 81 MB per row).
+    On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB per row at the
+    CPU default's ~100 tokens."""
     T = seg.shape[1]
     if flex:
         sg = seg.to(device)
 
         def visible(b, h, q, k):
             return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
-        return _block_mask_builder(torch.device(device).type == "cuda")(visible, seg.shape[0], None, T, T, device=device)
+        build = _block_mask_builder(torch.device(device).type == "cuda")
+        return build(visible, seg.shape[0], None, T, T, device=device)
     i = torch.arange(T)
     sq, sk = seg[:, :, None], seg[:, None, :]
     return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
@@ -250,28 +267,33 @@ class Batch:
     ids: torch.Tensor
     pos: torch.Tensor
     sel: torch.Tensor
-    attn: object  # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
+    # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
+    attn: object
     tgt: torch.Tensor
     w: torch.Tensor    # 1 for a real target, 0 for padding
     adv: torch.Tensor
     slp: torch.Tensor
-    old: object  # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+    # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+    old: object
 
 
-DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])  # a zero-weight row: keeps every rank's FSDP collectives in step
+# a zero-weight row: keeps every rank's FSDP collectives in step
+DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])
 
 
 # -----------------------------------------------------------------------------
 # the PPO-clip loss
 
-LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| above this is clamped (verl `verl/trainer/ppo/core_algos.py`: [-20, 20])
+# |log pi/pi_old| above this is clamped (verl `verl/trainer/ppo/core_algos.py`: [-20, 20])
+LOG_RATIO_CLAMP = 20.0
 
 
 def ppo_clip(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
-    """The paper's per-token objective, as a loss: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with
-    r = pi / pi_old; for A < 0 at most -c A (dual clip: a huge ratio cannot blow up the update).
-    Returns (per-token loss, where the clip was active)."""
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # one overflow never NaNs a step
+    """The paper's per-token objective, as a loss: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    with r = pi / pi_old; for A < 0 at most -c A (dual clip: a huge ratio cannot blow up the
+    update). Returns (per-token loss, where the clip was active)."""
+    # one overflow never NaNs a step
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -283,13 +305,15 @@ def ppo_clip(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
 
 def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None,
              kl_coef=0.0, sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
-    """The loss of one micro-batch: PPO-clip per token, plus the optional terms (each off by default), summed over
-    the real tokens and divided by `n_tokens`, the response tokens of the whole optimizer step on every rank, so
-    the gradient does not depend on how samples are cut into micro-batches or ranks (a token-mean).
-    Shapes: logp, old_logp, mask, ref_logp, sampler_logp, entropy [B, T]; adv [B] or [B, T]. Returns (loss, stats).
+    """The loss of one micro-batch: PPO-clip per token, plus the optional terms (each off by
+    default), summed over the real tokens and divided by `n_tokens`, the response tokens of the
+    whole optimizer step on every rank, so the gradient does not depend on how samples are cut into
+    micro-batches or ranks (a token-mean). Shapes: logp, old_logp, mask, ref_logp, sampler_logp,
+    entropy [B, T]; adv [B] or [B, T]. Returns (loss, stats).
 
       x min(exp(old_logp - sampler_logp), tis_cap)   truncated importance sampling: the engine sampled the tokens
-                                                     (bf16 vLLM on GPU), not the trainer's pi_old (trl, verl, OpenRLHF)
+                                                     (bf16 vLLM on GPU), not the trainer's pi_old
+                                                     (trl, verl, OpenRLHF)
       + kl_coef x KL(pi || ref)                      k3 estimator exp(q) - q - 1, q = ref_logp - logp
       - entropy_coef x entropy                       an entropy bonus (verl's entropy_coeff)
     """

@@ -73,7 +73,9 @@ class _ShowValues(ast.NodeTransformer):
     def visit_Assert(self, node):
         t = node.test
         if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-            call = ast.Call(ast.Name(self.name, ast.Load()), [t.left, t.comparators[0], ast.Constant(ast.unparse(t.left))], [])
+            call = ast.Call(
+                ast.Name(self.name, ast.Load()), [t.left, t.comparators[0], ast.Constant(ast.unparse(t.left))], []
+            )
             return ast.copy_location(ast.Expr(call), node)
         return node
 
@@ -162,8 +164,11 @@ def same_stdout_lcb(got, want):
 
 def _tolerance(question):
     """The absolute/relative error a CodeContests statement allows (e.g. "10^{-6}"), or None: exact tokens."""
-    m = re.search(r"(?:absolute|relative)\s+(?:or\s+(?:absolute|relative)\s+)?error[^.]{0,80}?10\s*\^?\s*\{?\s*[-−]\s*(\d+)",
-                  question or "", re.I)
+    m = re.search(
+        r"(?:absolute|relative)\s+(?:or\s+(?:absolute|relative)\s+)?error[^.]{0,80}?10\s*\^?\s*\{?\s*[-−]\s*(\d+)",
+        question or "",
+        re.I,
+    )
     return 10.0 ** -int(m.group(1)) if m else None
 
 

@@ -1,7 +1,7 @@
 """
 Per-rank GPU memory of a training run, computed from the configuration alone, before anything is loaded.
 
-    python train.py --dry_run --model 8B --policies per_role --world 8 --gpu_gb 80     # prints the table, exit 0 if it fits
+    python train.py --dry_run --model 8B --policies per_role --world 8 --gpu_gb 80   # the table; exit 0: fits
 
 A real GPU run calls the same `plan` first and refuses a configuration that cannot fit, naming the flag to change.
 Why a separate file: the arithmetic is one concept (what lives on the GPU in each phase of a step), it is long,
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 GiB = 2 ** 30
 # Estimates from vLLM 0.32's and NCCL's sources and published sizes (docs/gpu.md, "Planner constants"), not measured:
 # test_vllm_sleep_update_wake_sample_cycle checks the engine's two on the first GPU with vLLM.
-CUDA_CONTEXT_GIB = 1.0     # CUDA context + cuBLAS/cuBLASLt workspaces of the trainer and the engine, outside torch's allocator
-NCCL_COMM_GIB = 1.0        # one multi-rank NCCL communicator's buffers (the trainer's and vLLM's world group: two per rank)
+# CUDA context + cuBLAS/cuBLASLt workspaces of the trainer and the engine, outside torch's allocator
+CUDA_CONTEXT_GIB = 1.0
+NCCL_COMM_GIB = 1.0  # one multi-rank NCCL communicator's buffers (the trainer's and vLLM's world group: two per rank)
 SLEEPING_ENGINE_GIB = 0.5  # vLLM asleep: weights, KV, runtime and CUDA-graph pools freed or parked on the host; its
                            # persistent input buffers and attention workspaces stay
-CUDA_GRAPHS_GIB = 0.5      # vLLM's CUDA-graph pool (capture sizes up to max_num_seqs), charged to its KV budget at start
+CUDA_GRAPHS_GIB = 0.5  # vLLM's CUDA-graph pool (capture sizes up to max_num_seqs), charged to its KV budget at start
 HEADROOM = 0.95            # use at most this share of the GPU: allocator fragmentation
 
 
@@ -54,7 +55,7 @@ def act_bytes_per_token_layer(cfg, b=2):
     at b bytes per activation (bf16 under the FSDP2 policy; fp32 copies made by the norms are 4):
       2 RMSNorms: fp32 copy of the input (4h) + the normalized input before the weight (b h)       -> 2 (4 + b) h
       q/k norms: the same per head (4 + b), the normed output kept for RoPE (b), rotate_half (b),
-                 the rotated q/k kept by attention (b)                                                 -> (4 + 4b)(nh + nkv) hd
+                 the rotated q/k kept by attention (b)                            -> (4 + 4b)(nh + nkv) hd
       v (b nkv hd), attention output (b nh hd) + its reshaped copy for o_proj (b nh hd), logsumexp (4 nh)
       SwiGLU: gate, silu(gate), up, their product (4 b I)"""
     h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -113,7 +114,9 @@ def engine_profile_bytes(cfg, max_num_seqs, max_num_batched_tokens, b=2):
     indices, softmax, cumsum and mask of top-p, the processed log-probs), plus its CUDA-graph pool. These are the
     engine's own arguments (policies.engine_seqs, engines.vllm_batched_tokens): the plan follows the flags."""
     h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    forward = max_num_batched_tokens * b * (3 * h + (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + 3 * I)
+    forward = (
+        max_num_batched_tokens * b * (3 * h + (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + 3 * I)
+    )
     sampler = 40 * max_num_seqs * cfg.vocab_size
     return max(forward, sampler) + CUDA_GRAPHS_GIB * GiB
 
@@ -135,16 +138,36 @@ def host_bytes(cfg, n_policies, engine="vllm"):
     """Host (CPU) memory per rank, beyond the process itself: (load, steady, checkpoint).
     load        each rank reads each base itself: the fp32 model (4 N), the file's bf16 tensors (2 N) and the file's
                 pages mapped while they are read (up to 2 N): 8 N, one model at a time (measured: 7.1 N)
-    steady      policies sharing one engine keep their weights on the host in the engine's dtype (PolicySwitch): 2 N each
+    steady      policies sharing one engine keep their weights on the host in the engine's dtype
+                (PolicySwitch): 2 N each
     checkpoint  + the engine's weights parked on the host by vLLM's level-1 sleep (2 N, pinned)"""
     n = counts(cfg).total
     steady = 2 * n * n_policies if n_policies > 1 else 0
     return 8 * n, steady, steady + (2 * n if engine == "vllm" else 0)
 
 
-def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint, engine="vllm",
-         gpu_memory_utilization=0.5, sleep=True, rows=64, max_model_len=10240, kl=False, logits_chunk=1024, pack=False, lora_rank=0,
-         entropy=False, engine_seqs=256, engine_tokens=10240, export_bytes=2):
+def plan(
+    cfg,
+    *,
+    world,
+    gpu_gb,
+    n_policies,
+    micro_batch_tokens,
+    grad_checkpoint,
+    engine="vllm",
+    gpu_memory_utilization=0.5,
+    sleep=True,
+    rows=64,
+    max_model_len=10240,
+    kl=False,
+    logits_chunk=1024,
+    pack=False,
+    lora_rank=0,
+    entropy=False,
+    engine_seqs=256,
+    engine_tokens=10240,
+    export_bytes=2,
+):
     """Per-rank bytes per phase. Returns dict(rows=[(item, {phase: GiB})], peak, phase, fits, limit, kv_tokens, fix).
     `n_policies` trained models share one engine (per_role: policies.PolicySwitch). `rows` is the torch engine's
     batch (prompts x K) per call; vLLM's footprint is gpu_memory_utilization x the GPU, of which its start-up reserve
@@ -165,7 +188,8 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
         asleep = SLEEPING_ENGINE_GIB * GiB if sleep else awake
         reserve = engine_profile_bytes(cfg, engine_seqs, engine_tokens)
         kv = awake - weights_only - reserve
-        synced = weights_only + asleep + CUDA_GRAPHS_GIB * GiB if sleep else awake  # waking the weights restores the graphs
+        # waking the weights restores the graphs
+        synced = weights_only + asleep + CUDA_GRAPHS_GIB * GiB if sleep else awake
     else:  # model.py KV-cache sampler: bf16 weights + a static cache of rows x max_model_len; never sleeps
         kv = rows * max_model_len * kv_bytes_per_token(cfg)
         awake = 2 * c.total + kv + 4 * rows * cfg.vocab_size
@@ -173,7 +197,10 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
         reserve = 0
     ctx = context_bytes(world)
     table = [
-        ("FSDP2 states: fp32 params+grads+AdamW, sharded (all policies; LoRA: frozen base + adapters)", dict(rollout=states, train=states, sync=states, checkpoint=states)),
+        (
+            "FSDP2 states: fp32 params+grads+AdamW, sharded (all policies; LoRA: frozen base + adapters)",
+            dict(rollout=states, train=states, sync=states, checkpoint=states),
+        ),
         ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=synced, checkpoint=asleep)),
         ("unsharded bf16 units in flight (2 layers + embed/head)", dict(train=unit_params)),
         ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),
@@ -189,20 +216,45 @@ def plan(cfg, *, world, gpu_gb, n_policies, micro_batch_tokens, grad_checkpoint,
     tot = {p: sum(d.get(p, 0) for _, d in table) for p in phases}
     peak_phase = max(phases, key=lambda p: tot[p])
     peak, limit = tot[peak_phase], HEADROOM * G
-    res = dict(rows=[(n, {p: v / GiB for p, v in d.items()}) for n, d in table], totals={p: v / GiB for p, v in tot.items()},
-               peak=peak / GiB, phase=peak_phase, limit=limit / GiB, fits=peak <= limit, kv_gib=kv / GiB,
-               engine_reserve=(reserve / GiB, engine_seqs, engine_tokens) if engine == "vllm" else None,
-               disk_gb=checkpoint_bytes(cfg, n_policies, lora_rank, export_bytes) / 1e9,
-               host_gb=[b / 1e9 for b in host_bytes(cfg, n_policies, engine)], node_ranks=min(world, 8),
-               kv_tokens=int(kv / kv_bytes_per_token(cfg)), fix=None, act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
-               act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB)
+    res = dict(
+        rows=[(n, {p: v / GiB for p, v in d.items()}) for n, d in table],
+        totals={p: v / GiB for p, v in tot.items()},
+        peak=peak / GiB,
+        phase=peak_phase,
+        limit=limit / GiB,
+        fits=peak <= limit,
+        kv_gib=kv / GiB,
+        engine_reserve=(reserve / GiB, engine_seqs, engine_tokens) if engine == "vllm" else None,
+        disk_gb=checkpoint_bytes(cfg, n_policies, lora_rank, export_bytes) / 1e9,
+        host_gb=[b / 1e9 for b in host_bytes(cfg, n_policies, engine)],
+        node_ranks=min(world, 8),
+        kv_tokens=int(kv / kv_bytes_per_token(cfg)),
+        fix=None,
+        act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
+        act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB,
+    )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
         res["fits"] = False
-        res["fix"] = (f"the engine's KV cache ({kv / GiB:.1f} GiB) cannot hold one {max_model_len}-token sequence: raise "
-                      f"--gpu_memory_utilization (now {gpu_memory_utilization}) or lower --max_model_len")
+        res["fix"] = (
+            f"the engine's KV cache ({kv / GiB:.1f} GiB) cannot hold one {max_model_len}-token sequence: raise "
+            f"--gpu_memory_utilization (now {gpu_memory_utilization}) or lower --max_model_len"
+        )
     if not res["fits"] and res["fix"] is None:
-        res["fix"] = _fix(cfg, c, tot, peak_phase, limit, G, states, world, n_policies, micro_batch_tokens, grad_checkpoint,
-                          engine, gpu_memory_utilization)
+        res["fix"] = _fix(
+            cfg,
+            c,
+            tot,
+            peak_phase,
+            limit,
+            G,
+            states,
+            world,
+            n_policies,
+            micro_batch_tokens,
+            grad_checkpoint,
+            engine,
+            gpu_memory_utilization,
+        )
     return res
 
 
@@ -231,15 +283,25 @@ def format_table(res, title):
     for name, d in res["rows"]:
         lines.append(f"| {name} | " + " | ".join(f"{d[p]:.1f}" if p in d and d[p] else "" for p in phases) + " |")
     lines.append("| **total** | " + " | ".join(f"**{res['totals'][p]:.1f}**" for p in phases) + " |")
-    lines += ["", f"activations per micro-batch: {res['act_no_ckpt']:.1f} GiB without checkpointing, {res['act_ckpt']:.1f} GiB with it",
-              f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens" + (
-                  " (after vLLM's start-up reserve: {:.1f} GiB for {} sequences x {} batched tokens, and CUDA graphs)".format(
-                      *res["engine_reserve"]) if res["engine_reserve"] else ""),
-              f"disk per checkpoint: {res['disk_gb']:.1f} GB (HF exports + DCP shards), twice that while the next one is "
-              "written (the previous checkpoint is removed after the swap)",
-              "host memory per rank: {:.1f} GB while loading, {:.1f} GB steady, {:.1f} GB at a checkpoint (x{} ranks per "
-              "node)".format(*res["host_gb"], res["node_ranks"]),
-              f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: " + ("fits" if res["fits"] else "DOES NOT FIT")]
+    lines += [
+        "",
+        f"activations per micro-batch: {res['act_no_ckpt']:.1f} GiB without checkpointing, "
+        f"{res['act_ckpt']:.1f} GiB with it",
+        f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens"
+        + (
+            " (after vLLM's start-up reserve: {:.1f} GiB for {} sequences x {} batched tokens, and CUDA graphs)".format(
+                *res["engine_reserve"]
+            )
+            if res["engine_reserve"]
+            else ""
+        ),
+        f"disk per checkpoint: {res['disk_gb']:.1f} GB (HF exports + DCP shards), twice that while the next one is "
+        "written (the previous checkpoint is removed after the swap)",
+        "host memory per rank: {:.1f} GB while loading, {:.1f} GB steady, {:.1f} GB at a checkpoint (x{} ranks per "
+        "node)".format(*res["host_gb"], res["node_ranks"]),
+        f"peak {res['peak']:.1f} GiB ({res['phase']}) vs usable {res['limit']:.1f} GiB: "
+        + ("fits" if res["fits"] else "DOES NOT FIT"),
+    ]
     if res["fix"]:
         lines.append("fix: " + res["fix"])
     return "\n".join(lines)
@@ -257,13 +319,26 @@ def plan_for(cfg, world, gpu_gb):
     pols, _ = P.resolve(cfg)
     mc = max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
     lora = cfg["policies"] == "lora"
-    return plan(mc, world=world, gpu_gb=gpu_gb, n_policies=len(pols),
-                micro_batch_tokens=max(p.micro_batch_tokens for p in pols), grad_checkpoint=cfg["grad_checkpoint"],
-                engine=cfg["engine"], gpu_memory_utilization=cfg["gpu_memory_utilization"], sleep=cfg["engine"] == "vllm",
-                rows=cfg["envs_per_step"] // world * cfg["K"], max_model_len=cfg["max_model_len"], kl=cfg["kl_coef"] > 0,
-                entropy=cfg["entropy_coef"] > 0, pack=cfg["pack"], lora_rank=cfg["lora_rank"] if lora else 0,
-                engine_seqs=P.engine_seqs(cfg, world), engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),
-                export_bytes=4 if P.is_tiny(cfg) else 2)  # train.save: bf16 exports for real models
+    return plan(
+        mc,
+        world=world,
+        gpu_gb=gpu_gb,
+        n_policies=len(pols),
+        micro_batch_tokens=max(p.micro_batch_tokens for p in pols),
+        grad_checkpoint=cfg["grad_checkpoint"],
+        engine=cfg["engine"],
+        gpu_memory_utilization=cfg["gpu_memory_utilization"],
+        sleep=cfg["engine"] == "vllm",
+        rows=cfg["envs_per_step"] // world * cfg["K"],
+        max_model_len=cfg["max_model_len"],
+        kl=cfg["kl_coef"] > 0,
+        entropy=cfg["entropy_coef"] > 0,
+        pack=cfg["pack"],
+        lora_rank=cfg["lora_rank"] if lora else 0,
+        engine_seqs=P.engine_seqs(cfg, world),
+        engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),
+        export_bytes=4 if P.is_tiny(cfg) else 2,
+    )  # train.save: bf16 exports for real models
 
 
 def print_plan(cfg):
@@ -272,9 +347,12 @@ def print_plan(cfg):
     world = cfg["world"] or int(os.environ.get("WORLD_SIZE", "1"))
     gpu_gb = cfg["gpu_gb"] or 80.0
     res = plan_for(cfg, world, gpu_gb)
-    title = (f"memory plan: --model {cfg['model'] or 'tiny'} --policies {cfg['policies']} --world {world} --gpu_gb {gpu_gb:g} "
-             f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {str(cfg['grad_checkpoint']).lower()} "
-             f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}")
+    title = (
+        f"memory plan: --model {cfg['model'] or 'tiny'} --policies {cfg['policies']} --world {world} "
+        f"--gpu_gb {gpu_gb:g} "
+        f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {str(cfg['grad_checkpoint']).lower()} "
+        f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}"
+    )
     print(format_table(res, title))
     return 0 if res["fits"] else 1
 
@@ -286,7 +364,9 @@ def refuse_if_too_big(cfg):
     if not torch.cuda.is_available():
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    gpu_gb = cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2 ** 30
+    gpu_gb = (
+        cfg["gpu_gb"] or torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory / 2**30
+    )
     res = plan_for(cfg, world, gpu_gb)
     if not res["fits"]:
         raise SystemExit(f"this configuration needs {res['peak']:.1f} GiB per GPU ({res['phase']}), more than the "

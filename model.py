@@ -6,14 +6,14 @@ Qwen3 written by hand, in reading order, with Hugging Face parameter names.
     logits = model(input_ids)                           # right-padded [B, T] batch
     lp = token_logprobs(model, input_ids, targets, temperature=1.0)
 
-Parameter names are exactly HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so our checkpoints,
-transformers and vLLM read each other's files unchanged, and weight sync into vLLM is a plain name->tensor
-stream. What this file leaves out: sliding-window attention (Qwen3 dense models do not use it), rope
-scaling (not used at the context lengths of the paper), attention bias, MoE.
+Parameter names are exactly HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so our
+checkpoints, transformers and vLLM read each other's files unchanged, and weight sync into vLLM is a
+plain name->tensor stream. What this file leaves out: sliding-window attention (Qwen3 dense models
+do not use it), rope scaling (not used at the context lengths of the paper), attention bias, MoE.
 
-Also here: the tiny random Qwen3 plus a byte-level tokenizer with a Qwen3-style chat template that every
-CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache forward that the
-pure-torch sampler in rollout.py decodes with.
+Also here: the tiny random Qwen3 plus a byte-level tokenizer with a Qwen3-style chat template that
+every CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache forward that
+the pure-torch sampler in rollout.py decodes with.
 """
 import json
 import os
@@ -46,11 +46,13 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3Config":
-        """From a parsed HF config.json. Accepts `rope_theta` (transformers < 5) and `rope_parameters` (>= 5)."""
+        """From a parsed HF config.json. Accepts `rope_theta` (transformers < 5) and
+        `rope_parameters` (>= 5)."""
         arch = d.get("model_type") or ""
         if arch != "qwen3":
-            raise ValueError(f"config has model_type={arch!r}, but this code implements only Qwen3 (model_type 'qwen3'); "
-                             "point --model at a Qwen3 checkpoint such as Qwen/Qwen3-1.7B")
+            raise ValueError(f"config has model_type={arch!r}, but this code implements only Qwen3 "
+                             "(model_type 'qwen3'); point --model at a Qwen3 checkpoint such as "
+                             "Qwen/Qwen3-1.7B")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
         rp = d.get("rope_parameters") or {}
         if "rope_theta" in rp:
@@ -64,26 +66,34 @@ class Qwen3Config:
 
     def to_hf(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", attention_bias=False,
-                 attention_dropout=0.0, use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+        d.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
+                 attention_bias=False, attention_dropout=0.0, use_sliding_window=False,
+                 sliding_window=None, max_window_layers=self.num_hidden_layers,
                  initializer_range=0.02, torch_dtype="float32", use_cache=True, rope_scaling=None)
         return d
 
 
-# the real checkpoints' shapes (vocab 151936, rope_theta 1e6, head_dim 128), and the embedded tiny one
+# the real checkpoints' shapes (vocab 151936, rope_theta 1e6, head_dim 128), and the embedded tiny
+# one
 SIZES = {
-    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
-    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
-    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8),
-    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               tie_word_embeddings=False),
-    # ~2M parameters; vocab = 256 bytes + 5 specials, padded to 264 (a sampled padded row ends the sequence)
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # ~2M parameters; vocab = 256 bytes + 5 specials, padded to 264 (a sampled padded row ends the
+    # sequence)
     "tiny": dict(vocab_size=264, hidden_size=192, intermediate_size=576, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=256,
                  eos_token_id=258),
 }
-# a smaller tiny model with the same vocabulary (a second size for heterogeneous teams: --policy tool=tiny-small)
-SIZES["tiny-small"] = {**SIZES["tiny"], **dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+# a smaller tiny model with the same vocabulary (a second size for heterogeneous teams: --policy
+# tool=tiny-small)
+SIZES["tiny-small"] = {**SIZES["tiny"], **dict(hidden_size=128, intermediate_size=384,
+                                               num_hidden_layers=2, num_attention_heads=2,
                                                num_key_value_heads=1)}
 
 # -----------------------------------------------------------------------------
@@ -110,9 +120,10 @@ def rotate_half(x):
 
 
 class Rotary(nn.Module):
-    """RoPE's cos/sin tables, from an fp32 inv_freq like HF's. Not a buffer: `model.to(bf16)` casts floating buffers,
-    and a bf16 inv_freq puts the angle at position p off by up to ~p * 2^-9 rad (it tripled the bf16 forward's
-    logit error at 512 positions, measured on CPU and on an H100; HF keeps inv_freq in fp32)."""
+    """RoPE's cos/sin tables, from an fp32 inv_freq like HF's. Not a buffer: `model.to(bf16)` casts
+    floating buffers, and a bf16 inv_freq puts the angle at position p off by up to ~p * 2^-9 rad
+    (it tripled the bf16 forward's logit error at 512 positions, measured on CPU and on an H100; HF
+    keeps inv_freq in fp32)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -129,7 +140,8 @@ class Rotary(nn.Module):
         """Forget the tables (after changing theta)."""
         self._inv_freq.clear()
 
-    def forward(self, pos, dtype):  # pos [B, T] -> cos, sin [B, 1, T, head_dim], computed in fp32 like HF
+    # pos [B, T] -> cos, sin [B, 1, T, head_dim], computed in fp32 like HF
+    def forward(self, pos, dtype):
         freqs = pos.float()[..., None] * self.inv_freq(pos.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -143,7 +155,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before RoPE (Qwen3's change from Qwen2)
+        # per head, before RoPE (Qwen3's change from Qwen2)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask=None, cache=None, start=0):
@@ -152,14 +165,17 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if cache is not None:  # static cache [B, nkv, L, hd]: write this step, attend to everything so far
+        # static cache [B, nkv, L, hd]: write this step, attend to everything so far
+        if cache is not None:
             cache[0][:, :, start:start + T] = k
             cache[1][:, :, start:start + T] = v
             k, v = cache[0][:, :, :start + T], cache[1][:, :, :start + T]
         gqa = self.nh != self.nkv
-        if mask is None:  # right-padded training batch: causal alone is right, pads only follow real tokens
+        # right-padded training batch: causal alone is right, pads only follow real tokens
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif isinstance(mask, BlockMask):  # packed rows on CUDA (train.collate): the block structure, no dense T x T mask
+        # packed rows on CUDA (train.collate): the block structure, no dense T x T mask
+        elif isinstance(mask, BlockMask):
             y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -170,10 +186,11 @@ _FLEX = {}
 
 
 def flex(q, k, v, **kw):
-    """flex attention, compiled once per device type: on CUDA the compiled kernel skips the masked-out blocks of a
-    packed row (the siblings' blocks) and never builds a dense mask; eager flex is a slow reference and has no
-    backward on CPU, so the CPU path trains with SDPA and a dense mask and tests use this forward only.
-    (torchtitan `torchtitan/models/attention.py` also compiles flex_attention once and reuses it for every layer.)"""
+    """flex attention, compiled once per device type: on CUDA the compiled kernel skips the
+    masked-out blocks of a packed row (the siblings' blocks) and never builds a dense mask; eager
+    flex is a slow reference and has no backward on CPU, so the CPU path trains with SDPA and a
+    dense mask and tests use this forward only. (torchtitan `torchtitan/models/attention.py` also
+    compiles flex_attention once and reuses it for every layer.)"""
     if q.device.type not in _FLEX:
         _FLEX[q.device.type] = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
     return _FLEX[q.device.type](q, k, v, **kw)
@@ -197,7 +214,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.checkpoint = False  # activation checkpointing inside forward keeps parameter names HF names
+        # activation checkpointing inside forward keeps parameter names HF names
+        self.checkpoint = False
 
     def _forward(self, x, cos, sin, mask, cache, start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
@@ -219,10 +237,11 @@ class Body(nn.Module):  # HF's `model.` prefix
 
 
 class LMHead(nn.Linear):
-    """`lm_head` (an nn.Linear, so the HF name `lm_head.weight` is unchanged). Given targets it returns per-token
-    fp32 log-probs [B, T] computed over chunks of positions under activation checkpointing, so at most one
-    [chunk, vocab] block of logits (151936 wide for Qwen3) is alive at a time in forward and backward. The loop is
-    inside this module's forward so that FSDP2 gathers the head once per forward, not once per chunk."""
+    """`lm_head` (an nn.Linear, so the HF name `lm_head.weight` is unchanged). Given targets it
+    returns per-token fp32 log-probs [B, T] computed over chunks of positions under activation
+    checkpointing, so at most one [chunk, vocab] block of logits (151936 wide for Qwen3) is alive at
+    a time in forward and backward. The loop is inside this module's forward so that FSDP2 gathers
+    the head once per forward, not once per chunk."""
 
     def forward(self, h, targets=None, temperature=1.0, chunk=1024, entropy=False):
         if targets is None:
@@ -236,7 +255,8 @@ class LMHead(nn.Linear):
                 out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
                 out.append(_chunk_logprobs(*args))
-        return torch.cat(out).view(B, T, *out[0].shape[1:]).clone()  # not a view: FSDP2 hooks the root module's output
+        # not a view: FSDP2 hooks the root module's output
+        return torch.cat(out).view(B, T, *out[0].shape[1:]).clone()
 
 
 class Qwen3(nn.Module):
@@ -266,13 +286,14 @@ class Qwen3(nn.Module):
             x = layer(x, cos, sin, mask, None if cache is None else cache[i], start)
         return self.model.norm(x)
 
-    def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None, cache=None, start=0, chunk=1024,
-                select=None, entropy=False):
-        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits / temperature)[targets] as [B, T] (see
-        LMHead); with `entropy`, [B, T, 2]: (that log-prob, the full distribution's entropy) per position. `select`
-        [B, N]: score only the hidden states at these positions (targets then [B, N]): the positions
-        that predict response tokens, so prompt positions never reach the 151936-wide head. Going through module calls
-        (never reaching into a weight from outside) matters: FSDP2 unshards a unit's weights in its forward hooks."""
+    def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None,
+                cache=None, start=0, chunk=1024, select=None, entropy=False):
+        """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits /
+        temperature)[targets] as [B, T] (see LMHead); with `entropy`, [B, T, 2]: (that log-prob, the
+        full distribution's entropy) per position. `select` [B, N]: score only the hidden states at
+        these positions (targets then [B, N]): the positions that predict response tokens, so prompt
+        positions never reach the 151936-wide head. Going through module calls (never reaching into
+        a weight from outside) matters: FSDP2 unshards a unit's weights in its forward hooks."""
         h = self.hidden(input_ids, position_ids, mask, cache, start)
         if select is not None:
             h = h.gather(1, select[..., None].expand(-1, -1, h.shape[-1]))
@@ -299,7 +320,8 @@ def _chunk_logprobs(h, w, targets, temperature, entropy=False):
 
 
 def token_logprobs(model, input_ids, targets, temperature=1.0, chunk=1024):
-    """Per-token log-probs of `targets` under `model` for a right-padded [B, T] batch (fp32 [B, T])."""
+    """Per-token log-probs of `targets` under `model` for a right-padded [B, T] batch (fp32 [B,
+    T])."""
     return model(input_ids, targets=targets, temperature=temperature, chunk=chunk)
 
 
@@ -310,8 +332,9 @@ def token_logprobs(model, input_ids, targets, temperature=1.0, chunk=1024):
 def load_model(path, dtype=torch.float32, device="cpu") -> Qwen3:
     cfg_path = os.path.join(str(path), "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json in {path!r}: --model must be a Hugging Face Qwen3 folder "
-                                "(config.json + *.safetensors), e.g. one written by save_model or downloaded with huggingface-cli")
+        raise FileNotFoundError(f"no config.json in {path!r}: --model must be a Hugging Face Qwen3 "
+                                "folder (config.json + *.safetensors), e.g. one written by save_model "
+                                "or downloaded with huggingface-cli")
     with open(cfg_path) as f:
         cfg = Qwen3Config.from_hf(json.load(f))
     from safetensors.torch import load_file
@@ -330,18 +353,20 @@ def load_model(path, dtype=torch.float32, device="cpu") -> Qwen3:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match Qwen3: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"checkpoint {path!r} does not match Qwen3: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     return model.to(dtype)
 
 
 def iter_hf_state(model, dtype=None):
-    """Yield (HF name, full tensor) one parameter at a time, lm_head skipped when tied. Under FSDP2 each tensor is
-    gathered from the shards (a collective: every rank iterates in the same order); with `dtype` the local shard is
-    cast *before* the gather, so a bf16 sync moves and holds 2 bytes per element, never the fp32 full tensor. The
-    caller owns each tensor only until it asks for the next one: this is what keeps weight sync and checkpoint
-    export at one tensor (or one bucket) of extra memory instead of a whole model (verl `fsdp_workers.py`
-    `rollout_mode` streams a generator the same way). With LoRA adapters (`add_lora`) a targeted weight comes out
-    merged with the active adapter, and the adapters themselves are not yielded: what an engine or HF loads."""
+    """Yield (HF name, full tensor) one parameter at a time, lm_head skipped when tied. Under FSDP2
+    each tensor is gathered from the shards (a collective: every rank iterates in the same order);
+    with `dtype` the local shard is cast *before* the gather, so a bf16 sync moves and holds 2 bytes
+    per element, never the fp32 full tensor. The caller owns each tensor only until it asks for the
+    next one: this is what keeps weight sync and checkpoint export at one tensor (or one bucket) of
+    extra memory instead of a whole model (verl `fsdp_workers.py` `rollout_mode` streams a generator
+    the same way). With LoRA adapters (`add_lora`) a targeted weight comes out merged with the
+    active adapter, and the adapters themselves are not yielded: what an engine or HF loads."""
     lora = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, p in model.state_dict().items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
@@ -358,15 +383,18 @@ def iter_hf_state(model, dtype=None):
 
 
 def hf_state_dict(model):
-    """name -> full tensor, HF names; lm_head dropped when tied. Holds the whole model: tests and tiny models only."""
+    """name -> full tensor, HF names; lm_head dropped when tied. Holds the whole model: tests and
+    tiny models only."""
     return dict(iter_hf_state(model))
 
 
 def save_model(model, path, state=None, dtype=None, shard_bytes=4 * 2**30, write=True):
-    """HF folder: config.json + safetensors. Streams: tensors are gathered one at a time (`iter_hf_state`; under FSDP2
-    every rank must call this, and only the rank with `write=True` keeps and writes anything) and written in files
-    of at most `shard_bytes` (model-0000i-of-0000n.safetensors + model.safetensors.index.json, as HF does for big
-    models), so the writer holds at most one file's worth of CPU memory. Pass `state` (a dict) when already gathered."""
+    """HF folder: config.json + safetensors. Streams: tensors are gathered one at a time
+    (`iter_hf_state`; under FSDP2 every rank must call this, and only the rank with `write=True`
+    keeps and writes anything) and written in files of at most `shard_bytes`
+    (model-0000i-of-0000n.safetensors + model.safetensors.index.json, as HF does for big models), so
+    the writer holds at most one file's worth of CPU memory. Pass `state` (a dict) when already
+    gathered."""
     from safetensors.torch import save_file
     if write:
         os.makedirs(path, exist_ok=True)
@@ -412,7 +440,8 @@ def save_model(model, path, state=None, dtype=None, shard_bytes=4 * 2**30, write
 # -----------------------------------------------------------------------------
 # the embedded tiny model: byte-level tokenizer + Qwen3-style chat template
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]  # ids 256.. in this order
+# ids 256.. in this order
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -420,11 +449,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(path, n_fill=0):
-    """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips, and a model
-    trained from scratch sees one token per character. Saved in HF format, so AutoTokenizer and vLLM load it.
-    `n_fill` inserts that many never-encoded filler entries before the specials: a random model of a real Qwen3
-    shape then samples from ~151k real ids (so its answers run to the length limit, the worst case for memory),
-    and with n_fill = 151643 - 256 the specials land on Qwen3's own ids (<|endoftext|> 151643, <|im_end|> 151645)."""
+    """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips,
+    and a model trained from scratch sees one token per character. Saved in HF format, so
+    AutoTokenizer and vLLM load it. `n_fill` inserts that many never-encoded filler entries before
+    the specials: a random model of a real Qwen3 shape then samples from ~151k real ids (so its
+    answers run to the length limit, the worst case for memory), and with n_fill = 151643 - 256 the
+    specials land on Qwen3's own ids (<|endoftext|> 151643, <|im_end|> 151645)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
@@ -433,7 +463,7 @@ def build_tokenizer(path, n_fill=0):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(CONTROL_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
@@ -442,8 +472,9 @@ def build_tokenizer(path, n_fill=0):
 
 
 def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
-    """Write a random Qwen3 + its tokenizer to `path` (HF format) and return the model. `size` other than "tiny"
-    gives a random model of a real shape (benchmarks and GPU checks) with a tokenizer padded to Qwen3's ids."""
+    """Write a random Qwen3 + its tokenizer to `path` (HF format) and return the model. `size` other
+    than "tiny" gives a random model of a real shape (benchmarks and GPU checks) with a tokenizer
+    padded to Qwen3's ids."""
     cfg = Qwen3Config(**{**SIZES[size], **overrides})
     torch.manual_seed(seed)
     model = Qwen3(cfg)
@@ -460,9 +491,10 @@ def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
 # LoRA: one frozen base, one low-rank adapter per policy, in HF PEFT's layout and file format
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every linear of a layer:
-# for RL the attention-only default of early LoRA papers trains worse than adapting the MLPs too ("LoRA Without
-# Regret", Thinking Machines 2025); PEFT calls this target_modules="all-linear"
+# every linear of a layer:
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# for RL the attention-only default of early LoRA papers trains worse than adapting the MLPs too
+# ("LoRA Without Regret", Thinking Machines 2025); PEFT calls this target_modules="all-linear"
 
 
 def _full(t):
@@ -471,16 +503,18 @@ def _full(t):
 
 
 class LoRALinear(nn.Linear):
-    """A frozen nn.Linear (its `weight` keeps the HF name) plus one adapter per policy, named as PEFT names them:
-    `lora_A.<policy>.weight` [r, in] and `lora_B.<policy>.weight` [out, r]; B starts at zero, so every policy starts
-    as the base. `active` picks the adapter: y = x W^T + (alpha / r) (x A^T) B^T."""
+    """A frozen nn.Linear (its `weight` keeps the HF name) plus one adapter per policy, named as
+    PEFT names them: `lora_A.<policy>.weight` [r, in] and `lora_B.<policy>.weight` [out, r]; B
+    starts at zero, so every policy starts as the base. `active` picks the adapter: y = x W^T +
+    (alpha / r) (x A^T) B^T."""
 
     def __init__(self, base: nn.Linear, names, r, alpha):
         super().__init__(base.in_features, base.out_features, bias=False, device="meta")
         self.weight = base.weight
         self.weight.requires_grad_(False)
         kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_A = nn.ModuleDict({n: nn.Linear(base.in_features, r, **kw) for n in names})  # PEFT's init: kaiming-uniform A
+        # PEFT's init: kaiming-uniform A
+        self.lora_A = nn.ModuleDict({n: nn.Linear(base.in_features, r, **kw) for n in names})
         self.lora_B = nn.ModuleDict({n: nn.Linear(r, base.out_features, **kw) for n in names})
         for b in self.lora_B.values():
             nn.init.zeros_(b.weight)
@@ -492,13 +526,15 @@ class LoRALinear(nn.Linear):
     def merged_weight(self, dtype=None):
         """W + scale B A of the active adapter, full (gathered under FSDP2), computed in fp32."""
         w = _full(self.weight).float()
-        w = w + self.scale * (_full(self.lora_B[self.active].weight).float() @ _full(self.lora_A[self.active].weight).float())
+        lora_B = _full(self.lora_B[self.active].weight).float()
+        lora_A = _full(self.lora_A[self.active].weight).float()
+        w = w + self.scale * (lora_B @ lora_A)
         return w.to(dtype or self.weight.dtype)
 
 
 def add_lora(model, names, r, alpha, targets=LORA_TARGETS, seed=0):
-    """In place, before sharding: freeze every weight, wrap each targeted linear of every layer in a LoRALinear with
-    one adapter per name. Parameter names of the base stay HF names."""
+    """In place, before sharding: freeze every weight, wrap each targeted linear of every layer in a
+    LoRALinear with one adapter per name. Parameter names of the base stay HF names."""
     if r <= 0:
         raise ValueError(f"LoRA rank must be >= 1, not {r} (--lora_rank)")
     model.requires_grad_(False)
@@ -524,12 +560,14 @@ def adapter_parameters(model, name):
 
 def save_adapter(model, name, path, base_path="", write=True):
     """One policy's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads. Collective under FSDP2."""
+    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads.
+    Collective under FSDP2."""
     from safetensors.torch import save_file
     state = {}
     for n, p in model.named_parameters():
         for ab in ("lora_A", "lora_B"):
-            if f".{ab}.{name}." in n:  # PEFT drops the adapter name in files: ...q_proj.lora_A.weight
+            # PEFT drops the adapter name in files: ...q_proj.lora_A.weight
+            if f".{ab}.{name}." in n:
                 state["base_model.model." + n.replace(f".{ab}.{name}.", f".{ab}.")] = _full(p).float().contiguous()
     if not write:
         return
@@ -543,7 +581,8 @@ def save_adapter(model, name, path, base_path="", write=True):
 
 
 def load_adapter(model, name, path):
-    """Read a PEFT adapter folder into the adapter `name` of a model that `add_lora` prepared (unsharded)."""
+    """Read a PEFT adapter folder into the adapter `name` of a model that `add_lora` prepared
+    (unsharded)."""
     from safetensors.torch import load_file
     state = load_file(os.path.join(path, "adapter_model.safetensors"))
     params = dict(model.named_parameters())
@@ -562,15 +601,17 @@ def load_adapter(model, name, path):
 
 
 def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
-    """FSDP2 in place (parameter names unchanged), the torchtitan way (`torchtitan/distributed/fsdp.py`):
-    - one unit per decoder layer, the embedding its own unit and [final norm, lm_head] one unit, so no weights stay
-      unsharded between forward and backward; tied embeddings (0.6B/1.7B/4B) are one parameter, so there the
-      embedding, final norm and head form one unit;
-    - mixed precision through FSDP2, not autocast: `param_dtype` (bf16 on GPU) is what the all-gather moves and the
-      forward computes in, gradients are reduced in fp32 into fp32 master shards. (Autocast around an fp32 FSDP2
-      model keeps bf16 weight copies alive outside FSDP2's reshard: +2 B/param measured in the review.) None = fp32;
-    - optional activation checkpointing per layer and `torch.compile` per layer (`nn.Module.compile`, in place),
-      applied before sharding as torchtitan does.
+    """FSDP2 in place (parameter names unchanged), the torchtitan way
+    (`torchtitan/distributed/fsdp.py`):
+    - one unit per decoder layer, the embedding its own unit and [final norm, lm_head] one unit, so
+      no weights stay unsharded between forward and backward; tied embeddings (0.6B/1.7B/4B) are one
+      parameter, so there the embedding, final norm and head form one unit;
+    - mixed precision through FSDP2, not autocast: `param_dtype` (bf16 on GPU) is what the
+      all-gather moves and the forward computes in, gradients are reduced in fp32 into fp32 master
+      shards. (Autocast around an fp32 FSDP2 model keeps bf16 weight copies alive outside FSDP2's
+      reshard: +2 B/param measured in the review.) None = fp32;
+    - optional activation checkpointing per layer and `torch.compile` per layer
+      (`nn.Module.compile`, in place), applied before sharding as torchtitan does.
     On CPU pass an explicit CPU mesh (or none: one is built over all ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import torch.distributed as dist
@@ -589,14 +630,17 @@ def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
     else:
         fully_shard(body.embed_tokens, mesh=mesh, mp_policy=mp)
         fully_shard([body.norm, model.lm_head], mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: no parameters left, it drives lazy init and prefetch
+    # the root: no parameters left, it drives lazy init and prefetch
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
 def flops_per_token(cfg: Qwen3Config, seq_len: int) -> float:
-    """Training FLOPs per token (forward+backward = 3x forward): 6*N for the matmul weights + attention scores."""
+    """Training FLOPs per token (forward+backward = 3x forward): 6*N for the matmul weights +
+    attention scores."""
     h, L = cfg.hidden_size, cfg.num_hidden_layers
     attn_w = h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
     n = L * (attn_w + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
-    attn = 2 * 2 * L * cfg.num_attention_heads * cfg.head_dim * seq_len / 2  # causal: half the scores
+    # causal: half the scores
+    attn = 2 * 2 * L * cfg.num_attention_heads * cfg.head_dim * seq_len / 2
     return 6 * n + 3 * attn

@@ -1,6 +1,6 @@
 """
-Who the agents are: which roles share a policy, what each policy starts from and trains with, and the engines that
-sample for them. One table decides the role -> policy map (`resolve`):
+Who the agents are: which roles share a policy, what each policy starts from and trains with, and
+the engines that sample for them. One table decides the role -> policy map (`resolve`):
 
     --policies   roles that share one policy                  engines
     shared       every role with the same base (the default)  one per distinct base
@@ -23,15 +23,17 @@ from model import iter_hf_state
 from engines import TorchEngine, VLLMEngine
 from scripted import ScriptedEngine
 
-TINY_SIZES = ("tiny", "tiny-small")  # --policy ROLE=tiny-small: the embedded tiny model at that size
-PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")  # the training settings a role (its policy) may set on its own
+# --policy ROLE=tiny-small: the embedded tiny model at that size
+TINY_SIZES = ("tiny", "tiny-small")
+# the training settings a role (its policy) may set on its own
+PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")
 
 
 @dataclass
 class Policy:
-    """One trained policy: the roles it plays, the base it starts from and its own training settings (Dr. MAS sets
-    lr and micro-batch per agent). Checkpoints: ckpt/policy-{name} (HF), ckpt/train-{name} (DCP), and with LoRA
-    ckpt/adapter-{name} (PEFT)."""
+    """One trained policy: the roles it plays, the base it starts from and its own training settings
+    (Dr. MAS sets lr and micro-batch per agent). Checkpoints: ckpt/policy-{name} (HF),
+    ckpt/train-{name} (DCP), and with LoRA ckpt/adapter-{name} (PEFT)."""
     name: str                # its roles joined by "+", e.g. "tool+plan" for the shared policy of Plan-Path
     roles: tuple
     base: str                # a HF folder, or a tiny size (TINY_SIZES) for the embedded default
@@ -42,7 +44,8 @@ class Policy:
 
 
 def is_tiny(cfg):
-    """The embedded default: no --model and every --policy names a tiny size (a real path means a real run)."""
+    """The embedded default: no --model and every --policy names a tiny size (a real path means a
+    real run)."""
     return not cfg["model"] and all(sp.split("=", 1)[-1] in TINY_SIZES for sp in cfg["policy"].split(",") if sp)
 
 
@@ -61,7 +64,8 @@ def task_roles(cfg):
 
 
 def per_role(cfg, key, roles, cast, default):
-    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6 (roles not named keep `default`) -> {role: value}."""
+    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6 (roles not named keep `default`) -> {role:
+    value}."""
     v = cfg[key]
     if not isinstance(v, str):
         return {r: v for r in roles}
@@ -69,7 +73,8 @@ def per_role(cfg, key, roles, cast, default):
     for item in v.split(","):
         r, _, x = item.partition("=")
         if r not in roles:
-            raise SystemExit(f"--{key} {v}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+            raise SystemExit(f"--{key} {v}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
+                             f"its roles are {', '.join(roles)}")
         try:
             out[r] = cast(x)
         except ValueError:
@@ -78,9 +83,10 @@ def per_role(cfg, key, roles, cast, default):
 
 
 def resolve(cfg):
-    """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and the per-role flags
-    (cfg["role_defaults"]: the value of a per-role flag for the roles it does not name). Every role/policy misuse
-    fails here, before anything loads. Returns ([Policy], {role: policy index})."""
+    """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and
+    the per-role flags (cfg["role_defaults"]: the value of a per-role flag for the roles it does not
+    name). Every role/policy misuse fails here, before anything loads. Returns ([Policy], {role:
+    policy index})."""
     roles = task_roles(cfg)
     base = {r: cfg["model"] or "tiny" for r in roles}
     for sp in filter(None, cfg["policy"].split(",")):
@@ -88,13 +94,18 @@ def resolve(cfg):
         if not eq or not path:
             raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
         if r not in roles:
-            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; its roles are {', '.join(roles)}")
+            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
+                             f"its roles are {', '.join(roles)}")
         if path not in TINY_SIZES and not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), nor one of {', '.join(TINY_SIZES)}")
+            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), "
+                             f"nor one of {', '.join(TINY_SIZES)}")
         base[r] = path
-    if not cfg["model"] and any(b in TINY_SIZES for b in base.values()) and not all(b in TINY_SIZES for b in base.values()):
-        raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model for the rest)")
-    settings = {k: per_role(cfg, k, roles, int if k != "lr" else float, cfg["role_defaults"][k]) for k in PER_ROLE}
+    tiny_bases = [b in TINY_SIZES for b in base.values()]
+    if not cfg["model"] and any(tiny_bases) and not all(tiny_bases):
+        raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model "
+                         "for the rest)")
+    settings = {k: per_role(cfg, k, roles, float if k == "lr" else int, cfg["role_defaults"][k])
+                for k in PER_ROLE}
     for r in roles:
         if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
             raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
@@ -113,8 +124,8 @@ def resolve(cfg):
         vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}
         for k, v in vals.items():
             if len(v) > 1:
-                raise SystemExit(f"roles {', '.join(rs)} share one policy but --{k} gives them {sorted(v)}: give them one "
-                                 "value, or --policies per_role")
+                raise SystemExit(f"roles {', '.join(rs)} share one policy but --{k} gives them {sorted(v)}: "
+                                 "give them one value, or --policies per_role")
         name = "+".join(rs)
         pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
                            **{k: vals[k].pop() for k in PER_ROLE}))
@@ -122,7 +133,8 @@ def resolve(cfg):
 
 
 def settings(cfg, policy):
-    """The run's configuration as this policy trains: its own lr, micro_batch_tokens and minibatches."""
+    """The run's configuration as this policy trains: its own lr, micro_batch_tokens and
+    minibatches."""
     return {**cfg, **{k: getattr(policy, k) for k in PER_ROLE}}
 
 
@@ -136,18 +148,19 @@ def describe(cfg, p, policy, opt):
 
 
 def optimizer_steps_line(cfg):
-    """What --mini_batch_rows / --minibatches imply: optimizer steps per training step, at most (every env playing
-    all its turns)."""
+    """What --mini_batch_rows / --minibatches imply: optimizer steps per training step, at most
+    (every env playing all its turns)."""
     if not cfg["mini_batch_rows"]:
         return f"optimizer steps per training step: {cfg['minibatches']} per policy (--minibatches)"
     calls = cfg["envs_per_step"] * cfg["K"] * cfg["turns"] * len(task_roles(cfg))
     return (f"optimizer steps per training step: one per {cfg['mini_batch_rows']} samples (--mini_batch_rows), up to "
-            f"{math.ceil(calls / cfg['mini_batch_rows'])} for {calls} samples (E {cfg['envs_per_step']} x K {cfg['K']} x T "
-            f"{cfg['turns']} x {len(task_roles(cfg))} agents), split over the policies")
+            f"{math.ceil(calls / cfg['mini_batch_rows'])} for {calls} samples (E {cfg['envs_per_step']} x "
+            f"K {cfg['K']} x T {cfg['turns']} x {len(task_roles(cfg))} agents), split over the policies")
 
 
 def model_config(cfg, base=None):
-    """The Qwen3 config of a base: a HF folder's config.json, or a named size (M.SIZES) for --dry_run."""
+    """The Qwen3 config of a base: a HF folder's config.json, or a named size (M.SIZES) for
+    --dry_run."""
     base = base or cfg["model"] or "tiny"
     if base in M.SIZES and not os.path.exists(base):
         return M.Qwen3Config(**M.SIZES[base])
@@ -160,11 +173,12 @@ def model_config(cfg, base=None):
 
 
 def build(cfg, pols, bases, ckpt, rank, device):
-    """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and AdamW; the engine(s);
-    the optional frozen KL reference (sharded the same way). A fresh start loads the HF weights on the CPU and lets
-    fully_shard move each rank's shards to its GPU; a resume builds the model empty and reads each rank's DCP shards.
-    `bases`: policy index -> HF folder. LoRA: one model (the frozen base + every policy's adapter), listed once per
-    policy; each policy's AdamW holds only its own adapter."""
+    """Per policy: the trainable model (fp32 masters; FSDP2 with a bf16 compute policy on GPU) and
+    AdamW; the engine(s); the optional frozen KL reference (sharded the same way). A fresh start
+    loads the HF weights on the CPU and lets fully_shard move each rank's shards to its GPU; a
+    resume builds the model empty and reads each rank's DCP shards. `bases`: policy index -> HF
+    folder. LoRA: one model (the frozen base + every policy's adapter), listed once per policy; each
+    policy's AdamW holds only its own adapter."""
     lora = cfg["policies"] == "lora"
     models, opts, refs = [], [], []
     shared = _make_model(cfg, bases[0], device, adapters=[p.adapter for p in pols]) if lora else None
@@ -195,7 +209,8 @@ def _make_model(cfg, src, device, trainable=True, empty=False, adapters=()):
     if adapters:
         M.add_lora(m, adapters, cfg["lora_rank"], cfg["lora_alpha"], seed=cfg["seed"])
     if fsdp:  # fully_shard moves each unit's shard of the CPU model to this rank's device
-        M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+        M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=compute_dtype,
                 compile=cfg["compile"])
     else:
         for layer in m.model.layers:
@@ -206,8 +221,9 @@ def _make_model(cfg, src, device, trainable=True, empty=False, adapters=()):
 
 
 def build_engines(cfg, pols, models, bases, ckpt, rank):
-    """One engine per distinct base on each rank (vLLM: one sleep-mode engine per process is what is verified); the
-    policies of one base take turns in its engine (PolicySwitch), LoRA policies as merged weights."""
+    """One engine per distinct base on each rank (vLLM: one sleep-mode engine per process is what is
+    verified); the policies of one base take turns in its engine (PolicySwitch), LoRA policies as
+    merged weights."""
     by_base = {}
     for p in range(len(pols)):
         by_base.setdefault(bases[p], []).append(p)
@@ -221,20 +237,23 @@ def build_engines(cfg, pols, models, bases, ckpt, rank):
             engines[ps[0]] = eng
             continue
         switch = PolicySwitch(eng, len(ps))
-        for j, p in enumerate(ps):  # host copies of every policy's starting weights (a collective: all ranks, same order)
+        # host copies of every policy's starting weights (a collective: all ranks, same order)
+        for j, p in enumerate(ps):
             engines[p] = switch.view(j)
             engines[p].sync(use_policy(models, pols, p))
     return engines
 
 
 def engine_seqs(cfg, world):
-    """The most sequences one generate call holds on a rank: one step's envs on the rank x K (at least 16). vLLM on
-    CUDA sizes its start-up profile and CUDA graphs by it, and the memory plan counts the same number."""
+    """The most sequences one generate call holds on a rank: one step's envs on the rank x K (at
+    least 16). vLLM on CUDA sizes its start-up profile and CUDA graphs by it, and the memory plan
+    counts the same number."""
     return max(16, cfg["envs_per_step"] // max(1, world) * cfg["K"])
 
 
 def use_policy(models, pols, p):
-    """The model of policy p, ready to run as that policy (LoRA: its adapter selected on the shared base)."""
+    """The model of policy p, ready to run as that policy (LoRA: its adapter selected on the shared
+    base)."""
     if pols[p].adapter:
         M.set_adapter(models[p], pols[p].adapter)
     return models[p]
@@ -251,35 +270,41 @@ def distinct_engines(engines):
 
 
 def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.3, sleep_mode=False, max_num_seqs=256):
-    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does without.
-    max_num_seqs: the most sequences one generate call holds (vLLM on CUDA sizes its start-up profile by it)."""
+    """sleep_mode: vLLM on CUDA only, and one such engine per process (training); evaluation does
+    without. max_num_seqs: the most sequences one generate call holds (vLLM on CUDA sizes its
+    start-up profile by it)."""
     if kind == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
-            raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the pure-torch sampler") from e
-        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
-                          dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=max_num_seqs)
+            raise RuntimeError("vLLM is not installed: run ./setup.sh, or pass --engine torch to use the "
+                               "pure-torch sampler") from e
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        return VLLMEngine(model_dir, seed=seed, max_len=max_len, gpu_memory_utilization=gpu_memory_utilization,
+                          sleep_mode=sleep_mode, dtype=dtype, max_num_seqs=max_num_seqs)
     if kind == "scripted":
         return ScriptedEngine(model_dir, seed=seed, max_len=max_len)
-    if kind == "torch":  # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
+    # bf16 on GPU like vLLM; fp32 on CPU (the tests compare it with the fp32 trainer)
+    if kind == "torch":
         return TorchEngine(model_dir, seed=seed, max_len=max_len,
                            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     raise ValueError(f"unknown engine {kind!r}: use --engine vllm, torch or scripted")
 
 class PolicySwitch:
-    """Several policies served by one engine (per_role training): each policy's latest weights are kept on the host
-    (engine dtype), and before a call for another policy the engine's weights are swapped in. Storing is the only
-    collective (FSDP2 gathers, once per update, at the same point on every rank); a swap is a local host-to-engine
-    copy, so ranks whose episodes ended early and skip calls never stall the others. Cost: n_policies x 2 bytes/param
-    of host memory per rank, and one weight load per swap. Why one engine: vLLM allows one sleep-mode engine per
-    process, and two awake engines per GPU would take the memory the KV cache needs (see memory.py)."""
+    """Several policies served by one engine (per_role training): each policy's latest weights are
+    kept on the host (engine dtype), and before a call for another policy the engine's weights are
+    swapped in. Storing is the only collective (FSDP2 gathers, once per update, at the same point on
+    every rank); a swap is a local host-to-engine copy, so ranks whose episodes ended early and skip
+    calls never stall the others. Cost: n_policies x 2 bytes/param of host memory per rank, and one
+    weight load per swap. Why one engine: vLLM allows one sleep-mode engine per process, and two
+    awake engines per GPU would take the memory the KV cache needs (see memory.py)."""
 
     def __init__(self, engine, n_policies):
         self.engine, self.host, self.loaded = engine, [None] * n_policies, 0
 
     def store(self, p, model):
-        self.host[p] = None  # the old copy goes first: one host copy per policy at any time, never two (8B: 16 GB each)
+        # the old copy goes first: one host copy per policy at any time, never two (8B: 16 GB each)
+        self.host[p] = None
         self.host[p] = [(k, v.cpu()) for k, v in iter_hf_state(model, self.engine.dtype)]
         if p == self.loaded:
             self.engine.load(self.host[p])

@@ -1,19 +1,19 @@
 """
-The multi-agent episode driver: AT-GRPO's tree rollouts for training, plain rollouts for the baselines and the
-held-out evaluation (with its statistics). The engines it calls are engines.py.
+The multi-agent episode driver: AT-GRPO's tree rollouts for training, plain rollouts for the
+baselines and the held-out evaluation (with its statistics). The engines it calls are engines.py.
 
-    samples = tree_rollout(envs, agents, K, turns, sp)         # K candidates per (env, agent, turn)
-    samples, trajs = plain_rollout(envs, agents, K, turns, sp) # K independent trajectories per env
-    res = evaluate(test_envs, agents, turns)                   # accuracy with a 95% interval, per-role stats
+    samples = tree_rollout(envs, agents, K, turns, sp)          # K candidates per node
+    samples, trajs = plain_rollout(envs, agents, K, turns, sp)  # K trajectories per env
+    res = evaluate(test_envs, agents, turns)                    # accuracy, 95% interval
 
 One stage of one turn, as the method draws it (docs/method.md, "The tree"):
 
-    env state s --- K candidates a_1..a_K of the agent, each sampled from s
-                    each applied to its own copy of s: the branch b_k and its reward r_k = alpha*team + local
-                    the K siblings are one group (env, agent, turn); the best branch is the next state
+    state s --> K candidates a_1 .. a_K of the agent, each sampled from s
+            --> each applied to its own copy of s: branch b_k, reward r_k = alpha*team + local
+            --> the K siblings are one group (env, agent, turn); the best branch is the next s
 
-A plain rollout is the same driver with one candidate per node on K copies of each env, so the baselines, the
-evaluation and the tree build their samples through the same code.
+A plain rollout is the same driver with one candidate per node on K copies of each env, so the
+baselines, the evaluation and the tree build their samples through the same code.
 """
 import math
 import os
@@ -47,7 +47,7 @@ class Sample:
     team: float = 0.0
     formatted: bool = True  # False when the answer got the format penalty
     adv: float = 0.0
-    ret: float = 0.0     # --algo grpo: the agent's return over its trajectory (grpo_mas.trajectory_returns)
+    ret: float = 0.0     # --algo grpo: the agent's return over its trajectory
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Candidate:
     prompt_ids: list
     completion: Completion   # the sampled token ids and their log-probs
     text: str                # the decoded answer, what the env parses
-    local_alone: float = 0.0  # its local reward with no other agent's answer (picks a parallel stage's provisional best)
+    local_alone: float = 0.0  # its local reward alone (a parallel stage's provisional pick)
     branch: object = None    # a copy of the env after this answer
     local: float = 0.0       # the agent's own reward on that branch
     team: float = 0.0        # the team's reward on that branch
@@ -76,7 +76,7 @@ class Agents:
         self.max_prompt = max_prompt_tokens
         self.thinking = thinking  # Qwen3's chat-template switch
         self._cache = {}
-        self.seed_base = None  # per-call sampling seeds: seed_base + 7 x call index (reproducible runs)
+        self.seed_base = None  # sampling seeds: seed_base + 7 x call index (reproducible)
         self.calls = 0
 
     def reseed(self, seed):
@@ -90,7 +90,7 @@ class Agents:
         ids = self._cache.get(text)
         if ids is None:
             ids = self.tok.encode(text, add_special_tokens=False)
-            if len(ids) > self.max_prompt:  # keep the head (instructions) and the tail (generation prompt)
+            if len(ids) > self.max_prompt:  # keep the head (instructions) and the tail
                 h = self.max_prompt // 2
                 ids = ids[:h] + ids[-(self.max_prompt - h):]
             if len(self._cache) > 50000:
@@ -116,10 +116,11 @@ class Agents:
 
 
 def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
-    """AT-GRPO tree sampling: at every (env, agent, turn) K candidates from the same state, each scored on its own
-    branch; the best branch continues. A turn runs the env's `stages` in order: one agent per stage (sequential
-    workflows) or several at once (parallel workflows, a team's members). `envs` is updated in place to each env's
-    final state. Returns every candidate as a Sample."""
+    """AT-GRPO tree sampling: at every (env, agent, turn) K candidates from the same state, each
+    scored on its own branch; the best branch continues. A turn runs the env's `stages` in order:
+    one agent per stage (sequential workflows) or several at once (parallel workflows, a team's
+    members). `envs` is updated in place to each env's final state. Returns every candidate as a
+    Sample."""
     rng = rng or random.Random(0)
     timer = timer if timer is not None else {}
     sandbox.clear_cache()  # a program's result is reused within this rollout only
@@ -139,16 +140,13 @@ def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=Non
 
 
 def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer):
-    """The agents of `stage` answer the live envs; envs[i] becomes the state after the stage. Five steps:
-    1. sample K candidates per (env, agent), all from the stage-start state;
-    2. several agents at once: each agent's provisional best, by its local reward alone;
-    3. score every candidate on a branch of its own, the stage's other agents' provisional best applied first;
-    4. pick each group's winner (greedy: the highest reward, ties to the first; random: the ablation);
-    5. continue from the winners: one agent, the winner's branch; several, every winner applied in stage order.
-    rng is used by the random picks only, once per group in order, so runs reproduce."""
-    groups = sample_groups(envs, live, stage, agents, K, sp, timer)  # (env, role) -> its K candidates
+    """The agents of `stage` answer the live envs, K candidates each; envs[i] becomes the state
+    after the stage. rng is used by the random picks only, once per group in order: runs reproduce."""
+    # 1. K candidates per (env, agent), all sampled from the stage-start state
+    groups = sample_groups(envs, live, stage, agents, K, sp, timer)  # (env, role) -> K candidates
     candidates = [c for group in groups.values() for c in group]
     with timed(timer, "env"):
+        # 2. several agents at once: each one's provisional best, by its local reward alone
         provisional = {}  # (env, role) -> the answer the other agents' branches assume
         if len(stage) > 1:
             def alone(c):
@@ -157,6 +155,7 @@ def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
             for key, group in groups.items():
                 provisional[key] = max(group, key=lambda c: c.local_alone).text
 
+        # 3. each candidate on a branch of its own: the others' provisional answers, then its own
         def score(c):
             c.branch = envs[c.env].clone()
             for other in stage:
@@ -168,8 +167,11 @@ def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
             c.formatted = c.branch.format_ok
         pmap(score, candidates)
 
+        # 4. each group's winner: the highest reward, ties to the first (random: the ablation)
         winners = {key: pick(group, rng, branch) for key, group in groups.items()}
 
+        # 5. the env continues from its winners: one agent, the winner's branch; several, every
+        #    winner's answer applied in stage order
         def advance(i):
             if len(stage) == 1:
                 return winners[i, stage[0]].branch
@@ -183,8 +185,9 @@ def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
 
 
 def sample_groups(envs, live, stage, agents, K, sp, timer):
-    """K candidates per (env, agent) of the stage, from the stage-start state: one engine call per agent. The groups
-    are in env-major order (env, then the stage's agents), the order picks and samples follow."""
+    """K candidates per (env, agent) of the stage, from the stage-start state: one engine call per
+    agent. The groups are in env-major order (env, then the stage's agents), the order picks and
+    samples follow."""
     groups = {(i, role): [] for i in live for role in stage}
     for role in stage:
         prompts = [agents.render(envs[i].observe(role)) for i in live]
@@ -196,16 +199,18 @@ def sample_groups(envs, live, stage, agents, K, sp, timer):
 
 
 def pick(group, rng, branch):
-    """The candidate whose branch continues: the highest reward (the first on a tie), or a random one."""
+    """The candidate whose branch continues: the highest reward (the first on a tie), or any."""
     if branch == "random":
         return group[rng.randrange(len(group))]
     return max(group, key=lambda c: c.reward)
 
 
 def to_sample(c, agents, turn, traj=0):
+    """A candidate as the trainer sees it."""
     return Sample(policy=agents.role_to_policy[c.role], env=c.env, role=c.role, turn=turn, traj=traj,
-                  prompt_ids=c.prompt_ids, response_ids=c.completion.ids, sampler_logprobs=c.completion.logprobs,
-                  reward=float(c.reward), local=float(c.local), team=float(c.team), formatted=c.formatted)
+                  prompt_ids=c.prompt_ids, response_ids=c.completion.ids,
+                  sampler_logprobs=c.completion.logprobs, reward=float(c.reward),
+                  local=float(c.local), team=float(c.team), formatted=c.formatted)
 
 
 def end_turn(env):
@@ -213,9 +218,9 @@ def end_turn(env):
 
 
 def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
-    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1): the tree driver
-    with one candidate per node, on K copies of each env (trajectory k of env i is copy i*K + k). Returns
-    (samples, the final envs as a list of K per env)."""
+    """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1):
+    the tree driver with one candidate per node, on K copies of each env (trajectory k of env i is
+    copy i*K + k). Returns (samples, the final envs as a list of K per env)."""
     copies = [env.clone() for env in envs for _ in range(K)]
     samples = tree_rollout(copies, agents, 1, turns, sp, alpha, "greedy", None, timer)
     for s in samples:
@@ -234,9 +239,10 @@ def timed(timer, key):
         timer[key] = timer.get(key, 0.0) + time.time() - t0
 
 
-# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a stage's candidates are scored
-# concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many programs run at once, and runs
-# the same program on the same input once). Picks stay in the calling thread, in order: runs are reproducible.
+# Scoring candidates runs programs (tool agents, code tests) in the sandbox, so a stage's candidates
+# are scored concurrently: these threads only wait on sandbox runs (sandbox.py bounds how many
+# programs run at once, and runs the same program on the same input once). Picks stay in the calling
+# thread, in order: runs are reproducible.
 SCORE_THREADS = int(os.environ.get("SCORE_THREADS", "64"))
 _SCORER = ThreadPoolExecutor(max_workers=SCORE_THREADS)
 
@@ -249,20 +255,22 @@ def pmap(fn, items):
 
 
 # -----------------------------------------------------------------------------
-# held-out evaluation (train.py's in-run monitor and eval.py): plain rollouts of a test set, and their statistics
+# held-out evaluation (train.py's monitor and eval.py): plain rollouts of a test set, statistics
 
 
 def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256, rank=0, world=1, seed=1234,
              progress=False):
-    """Plain rollouts of every test env (this rank's shard), k samples each; results gathered over ranks.
-    Accuracy = the fraction of instances whose episode ends in success; with k > 1 also avg@k and pass@k."""
+    """Plain rollouts of every test env (this rank's shard), k samples each; results gathered over
+    ranks. Accuracy = the fraction of instances whose episode ends in success; with k > 1 also avg@k
+    and pass@k."""
     mine = list(range(rank, len(test_envs), world))
     sp = dict(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
     old_seed = agents.seed_base
     agents.reseed(seed + rank)
     results = []  # (test index, its k outcomes, the turn each ended after)
     role_stats = defaultdict(lambda: defaultdict(float))
-    firsts = defaultdict(set)  # role -> its distinct first-turn answers (first sample of each instance)
+    # role -> its distinct first-turn answers (first sample of each instance)
+    firsts = defaultdict(set)
     batch = 64
     starts = range(0, len(mine), batch)
     if progress:
@@ -286,7 +294,8 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
     if world > 1:
         results, role_stats, firsts = _gather_eval(results, role_stats, firsts, world)
     results.sort()
-    per_instance = [outcomes for _, outcomes, _ in results]  # each test instance's k outcomes, in test-set order
+    # each test instance's k outcomes, in test-set order
+    per_instance = [outcomes for _, outcomes, _ in results]
     res = summarize(per_instance, k)
     res["per_instance"] = per_instance
     res["per_role"] = {}
@@ -295,7 +304,8 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
         res["per_role"][r] = {
             "calls": int(v["calls"]), "format_error_rate": v["format_errors"] / calls,
             "local_reward": v["local_reward"] / calls, "answer_tokens": v["answer_tokens"] / calls,
-            # 1 of n: the same answer to every instance, an open-loop policy that ignores what it sees
+            # 1 of n: the same answer to every instance, an open-loop policy that ignores what it
+            # sees
             "distinct_first_answers": len(firsts[r]), "instances": int(v["instances"])}
     by_turn = defaultdict(int)  # episodes that succeeded, by the turn count they ended after
     for _, outcomes, ended in results:
@@ -328,7 +338,8 @@ def _gather_eval(results, role_stats, firsts, world):
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c successes (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    """Unbiased pass@k from n samples with c successes (Chen et al. 2021): 1 - C(n-c, k) / C(n,
+    k)."""
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -74,12 +74,12 @@ if os.getuid() != 0:
     resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
 '''
 
-_GUARD = r'''
+_GUARD = r"""
 import os, sys
 _here = os.path.realpath(os.getcwd())
-_LIBC_DENY = {"fork", "vfork", "clone", "clone3", "system", "execv", "execve", "execvp", "execl", "execlp", "posix_spawn",
-              "posix_spawnp", "kill", "killpg", "setsid", "daemon", "open", "open64", "openat", "creat", "unlink", "rename",
-              "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect"}
+_LIBC_DENY = {"fork", "vfork", "clone", "clone3", "system", "execv", "execve", "execvp", "execl", "execlp",
+              "posix_spawn", "posix_spawnp", "kill", "killpg", "setsid", "daemon", "open", "open64", "openat",
+              "creat", "unlink", "rename", "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect"}
 def _inside(p):
     try:
         return os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else _here).startswith(_here)
@@ -88,7 +88,8 @@ def _inside(p):
 def _hook(ev, args):
     if ev == "open" and args[0] is not None and not isinstance(args[0], int):
         mode, flags = args[1] or "r", args[2] or 0
-        if (any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)) and not _inside(args[0]):
+        writes = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        if writes and not _inside(args[0]):
             raise PermissionError("sandbox: writing outside the working directory is not allowed")
     elif ev in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec", "subprocess.Popen",
                 "pty.spawn", "socket.connect", "socket.bind", "os.setsid"):
@@ -105,7 +106,7 @@ sys.path += [p for p in os.environ.pop("SANDBOX_SITE", "").split(":") if p]  # t
 sys.argv = ["prog.py"]
 import runpy
 runpy.run_path("prog.py", run_name="__main__")
-'''
+"""
 
 
 
@@ -160,7 +161,9 @@ def bwrap_available():
             work = tempfile.mkdtemp(prefix="sbx_")
             try:
                 args, exe, _ = _bwrap_prefix(work)
-                r = subprocess.run(args + ["--clearenv", "--", exe, "-I", "-c", "print(7)"], capture_output=True, timeout=60)
+                r = subprocess.run(
+                    args + ["--clearenv", "--", exe, "-I", "-c", "print(7)"], capture_output=True, timeout=60
+                )
                 _BWRAP_OK = r.returncode == 0 and r.stdout.strip() == b"7"
                 why = (r.stderr.decode(errors="replace").strip() or f"exit {r.returncode}")[:300]
             except (OSError, subprocess.SubprocessError) as e:
@@ -249,7 +252,12 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
         if bwrap_available():
             args, exe, libs = _bwrap_prefix(work)
             env.update(HOME="/sandbox", TMPDIR="/tmp", SANDBOX_SITE=":".join(libs))
-            argv = args + ["--clearenv"] + [x for k, v in env.items() for x in ("--setenv", k, v)] + ["--", exe, "-I", "_guard.py"]
+            argv = (
+                args
+                + ["--clearenv"]
+                + [x for k, v in env.items() for x in ("--setenv", k, v)]
+                + ["--", exe, "-I", "_guard.py"]
+            )
             popen_env = {"PATH": "/usr/bin:/bin"}
         else:
             exe, libs = _python()

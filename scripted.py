@@ -5,6 +5,7 @@ programs that loop forever, hostile programs).
 """
 import json
 
+import judge
 from model import iter_hf_state
 from engines import Completion, Engine, _stop_ids
 
@@ -32,7 +33,9 @@ class ScriptedEngine(Engine):
             text = self.tok.decode(p, skip_special_tokens=False)
             row = []
             for _ in range(n):
-                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[:max(0, max_new_tokens - 1)] + [self.eos]
+                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[
+                    : max(0, max_new_tokens - 1)
+                ] + [self.eos]
                 row.append(Completion(ids, [0.0] * len(ids)))
             out.append(row)
         return out
@@ -75,7 +78,11 @@ class DefaultScript:
         A question shorter than 300 characters is its whole key, so every key length is tried (longest first)."""
         i = text.find("Problem:\n")
         table = self.rows()
-        hits = next((table[text[i + 9:i + 9 + n]] for n in self._key_lens if text[i + 9:i + 9 + n] in table), []) if i >= 0 else []
+        hits = (
+            next((table[text[i + 9 : i + 9 + n]] for n in self._key_lens if text[i + 9 : i + 9 + n] in table), [])
+            if i >= 0
+            else []
+        )
         rows = [r for r in hits if r["question"] in text]
         if "assert line" in text:
             rows = [r for r in rows if r.get("test_type") == "code"] or rows
@@ -113,11 +120,10 @@ class DefaultScript:
 
 
 def _script_solution(row):
-    import envs as E
-    ref = E.reference_solution(row)
+    ref = judge.reference_solution(row)
     if ref:
         return ref
-    return E.table_solution(row)
+    return judge.table_solution(row)
 
 
 def _script_wrong(row):
@@ -131,11 +137,15 @@ def _script_wrong(row):
 def _script_tests(row, wrong):
     if row["test_type"] == "code":
         lines = [ln.strip() for ln in row["test_code"].splitlines() if ln.strip().startswith("assert")][:3]
-        call = f"Solution().{row['entry_point']}" if row["source"] == "leetcode" else (row["entry_point"] or "candidate")
+        call = (
+            f"Solution().{row['entry_point']}" if row["source"] == "leetcode" else (row["entry_point"] or "candidate")
+        )
         lines = [ln.replace("candidate", call) for ln in lines]
         if wrong:
             lines = [ln.rsplit("==", 1)[0] + "== 'not this'" if "==" in ln else ln for ln in lines]
         return "```python\n" + "\n".join(lines) + "\n```"
     cases = row["tests"][:3]
-    return "\n".join(f"**Test Input:**\n```\n{c['input']}\n```\n**Test Output:**\n```\n{'0' if wrong else c['output']}\n```"
-                     for c in cases)
+    return "\n".join(
+        f"**Test Input:**\n```\n{c['input']}\n```\n**Test Output:**\n```\n{'0' if wrong else c['output']}\n```"
+        for c in cases
+    )

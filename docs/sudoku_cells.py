@@ -1,8 +1,8 @@
-"""What a compact-Sudoku policy writes, cell by cell (a diagnostic, not training; docs/experiments.md "Why Sudoku's seed 2
-stays at ~0.2"). Each cell of the turn-1 view is a clue (a digit) or an empty cell with 1-4 candidates (its
-letter); each digit of the greedy 16-digit answer below it is the unique solution's digit, another digit, or 0 ("no
-answer"). A policy that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test
-puzzles in 4 turns (README), so "1 cand" cells written with the solution's digit is the first thing to read:
+"""What a compact-Sudoku policy writes, cell by cell (a diagnostic, not training; docs/experiments.md "Why Sudoku's seed
+2 stays at ~0.2"). Each cell of the turn-1 view is a clue (a digit) or an empty cell with 1-4 candidates (its letter);
+each digit of the greedy 16-digit answer below it is the unique solution's digit, another digit, or 0 ("no answer"). A
+policy that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test puzzles in 4 turns
+(README), so "1 cand" cells written with the solution's digit is the first thing to read:
 
     python docs/sudoku_cells.py runs/tiny-base-sudoku-s2-HASH          # an untrained base
     python docs/sudoku_cells.py runs/sudoku-s2/ckpt/policy-tool+plan  # a trained policy
@@ -47,7 +47,7 @@ def main(path, n=200):
 
     def answer(role, envs):
         outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp)
-        return [o[0][1] for o in outs]
+        return [agents.decode(o[0]) for o in outs]
 
     envs = E.test_set("sudoku", n=n, compact=True, workflow="mas")  # fresh instances: the tool's step may change them
     tool = answer("tool", envs)

@@ -1,11 +1,11 @@
-"""Counterfactual for compact Sudoku (a diagnostic, not the paper's reward; docs/experiments.md "Why a run
-turns into a guesser"). The spec pays +0.1 for every legal fill, right or wrong, and AT-GRPO's per-turn rewards never
-charge a wrong guess for the puzzle it leaves unsolvable, so the tiny policy learns to guess. This runs train.py with
-one change: a legal fill that is not the unique solution's digit earns -0.3 (an illegal fill's penalty) instead of
-+0.1 (it overrides `envs.Sudoku.fill_reward`, the spec's +0.1). The rules, the held-out success metric, the cached base and every flag are
+"""Counterfactual for compact Sudoku (a diagnostic, not the paper's reward; docs/experiments.md "Why a run turns into a
+guesser"). The spec pays +0.1 for every legal fill, right or wrong, and AT-GRPO's per-turn rewards never charge a wrong
+guess for the puzzle it leaves unsolvable, so the tiny policy learns to guess. This runs train.py with one change: a
+legal fill that is not the unique solution's digit earns -0.3 (an illegal fill's penalty) instead of +0.1 (it overrides
+`envs.Sudoku.fill_reward`, the spec's +0.1). The rules, the held-out success metric, the cached base and every flag are
 train.py's:
 
-    python docs/sudoku_solution_reward.py --seed 2 --out_dir runs/sudoku-solreward-s2     (train.py's flags; --task is sudoku)
+    python docs/sudoku_solution_reward.py --seed 2 --out_dir runs/sudoku-solreward-s2  (train.py's flags)
 
 The tree's branch follows the sibling with the best reward, so under this reward it also follows right fills: the
 training success it prints is not comparable with train.py's; the greedy held-out score is."""

@@ -1,7 +1,7 @@
 """
 Tables and curves of train.py runs (lab tooling: it reads run folders, never trains).
 
-    python tools/runs.py --summary runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1      # multi-seed table, grouped by configuration
+    python tools/runs.py --summary runs/a-s0 runs/a-s1 runs/b-s0 runs/b-s1   # seeds grouped by configuration
     python tools/runs.py --summary runs/a-s0 runs/b-s0 --at_step 100           # step-matched (runs of different speeds)
     python tools/runs.py --plot runs/default runs/grpo --out curves.png        # curves from metrics.jsonl
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps    # curves against the step
@@ -30,12 +30,20 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
         color = f"C{n % 10}"
         curves = [[(r["step"], xof(r), r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
         if len(runs) == 1:  # one run: its own curve
-            axes[0].plot([m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label)
+            axes[0].plot(
+                [m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label
+            )
         else:  # several seeds: each faint, their mean (at the steps all evaluated) bold
             for c in curves:
                 axes[0].plot([m for _, m, _ in c], [y for _, _, y in c], color=color, alpha=0.3, linewidth=1)
             mc = mean_curve(curves)
-            axes[0].plot([m for m, _ in mc], [y for _, y in mc], color=color, linewidth=2.5, label=f"{label} (mean of {len(runs)})")
+            axes[0].plot(
+                [m for m, _ in mc],
+                [y for _, y in mc],
+                color=color,
+                linewidth=2.5,
+                label=f"{label} (mean of {len(runs)})",
+            )
     for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
         name = os.path.basename(os.path.normpath(d))
         xs = lambda key: [(xof(r), r[key]) for r in rec if key in r]
@@ -81,14 +89,17 @@ def group_runs(run_dirs, need_config=True, at_step=None):
             raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
         cfg = None
         if os.path.exists(cpath):
-            skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (RUN_LENGTH if at_step is not None else ())
+            skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (
+                RUN_LENGTH if at_step is not None else ()
+            )
             # a flag missing from an older run's config.json was added after it, with the old behaviour as its default
             cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
         rec = [json.loads(l) for l in open(mpath) if l.strip()]
         if at_step is not None:
             last = max((r["step"] for r in rec), default=0)
             if last < at_step:
-                raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller --at_step or drop the run")
+                raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller "
+                                 "--at_step or drop the run")
             rec = [r for r in rec if r["step"] <= at_step]
         runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
@@ -127,13 +138,20 @@ def summary(run_dirs, threshold=0.8, at_step=None):
     column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds, and the first
     time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts)."""
     groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
-    lines = [f"| configuration | seeds | steps | s/step | samples/step | untrained (step 0), mean | final held-out, mean [min-max] | final / untrained "
-             f"| best (mean) | first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | seeds | steps | s/step | samples/step | untrained (step 0), mean "
+        "| final held-out, mean [min-max] | final / untrained | best (mean) "
+        f"| first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, recs in groups.items():
         finals, bases, bests, firsts, lows, steps, sps, smp = [], [], [], [], [], [], [], []
         for rec in recs:
-            ev = [(r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"]) for r in rec if "eval_success" in r]
+            ev = [
+                (r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"])
+                for r in rec
+                if "eval_success" in r
+            ]
             finals.append(ev[-1][1] if ev else float("nan"))
             bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
             bests.append(max((y for _, y in ev), default=float("nan")))
@@ -145,9 +163,12 @@ def summary(run_dirs, threshold=0.8, at_step=None):
             smp.append(upper_median([r["samples"] for r in rec if "samples" in r]))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
-        lines.append(f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} | {base:.2f} | {final:.2f} "
-                     f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
-                     f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |")
+        lines.append(
+            f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} "
+            f"| {base:.2f} | {final:.2f} "
+            f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
+            f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |"
+        )
     return "\n".join(lines)
 
 
