@@ -40,7 +40,7 @@ SCALES = ("group", "none", "batch")
 
 def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6,
                        std_floor=0.0):
-    """Sets s.adv on every sample; returns (the samples kept for training, diagnostics).
+    """Sets s.adv on every sample; returns (the samples kept for training, GroupStats).
     `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
     if algo not in KEYS:
         raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
@@ -82,13 +82,18 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
             zero_var += 1
         if not (drop_zero_var and std < 1e-12):
             kept += group
-    diag = {"groups": len(groups), "zero_var_frac": zero_var / max(1, len(groups)),
-            "group_size": sum(sizes) / max(1, len(sizes)), "dropped": len(samples) - len(kept)}
-    advs = [s.adv for s in kept]
-    if advs:
-        m = sum(advs) / len(advs)
-        diag.update(adv_mean=m, adv_std=math.sqrt(sum((a - m) ** 2 for a in advs) / len(advs)))
-    return kept, diag
+    stats = GroupStats(groups=len(groups), zero_var_frac=zero_var / max(1, len(groups)),
+                       group_size=sum(sizes) / max(1, len(sizes)), dropped=len(samples) - len(kept))
+    return kept, stats
+
+
+@dataclass
+class GroupStats:
+    """What the grouping saw in a step (the step log's zero_var_frac and group_size)."""
+    groups: int
+    zero_var_frac: float  # groups whose values are all equal: advantage 0, no signal
+    group_size: float     # samples per group, mean
+    dropped: int          # samples left out (--drop_zero_var)
 
 
 def group_values(group, algo):
@@ -333,9 +338,19 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
     with torch.no_grad():
         real = m > 0
         clamped = (logp - old_logp).abs() > LOG_RATIO_CLAMP
-        stats = {"clip_tokens": (clip_active & real).float().sum().item(),
-                 "kl_sum": (kl * m).sum().item(),
-                 "tokens": m.sum().item(),
-                 "clamped_tokens": (clamped & real).float().sum().item(),
-                 "entropy_sum": (entropy * m).sum().item() if entropy is not None else 0.0}
+        stats = LossStats(tokens=m.sum().item(),
+                          clip_tokens=(clip_active & real).float().sum().item(),
+                          clamped_tokens=(clamped & real).float().sum().item(),
+                          kl_sum=(kl * m).sum().item(),
+                          entropy_sum=(entropy * m).sum().item() if entropy is not None else 0.0)
     return loss, stats
+
+
+@dataclass
+class LossStats:
+    """Sums over a micro-batch's response tokens, for the step log."""
+    tokens: float
+    clip_tokens: float     # where the PPO clip was active
+    clamped_tokens: float  # whose log-ratio hit LOG_RATIO_CLAMP (a broken sync or an overflow)
+    kl_sum: float
+    entropy_sum: float

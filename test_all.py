@@ -89,37 +89,12 @@ def random_batch(vocab, lengths, seed=0):
 # [model] model.py against transformers
 
 PARITY_CONFIGS = [  # tied/untied, head_dim*heads != hidden, GQA ratio 1, 2, 4
-    dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        tie_word_embeddings=True,
-    ),
-    dict(
-        vocab_size=101,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        tie_word_embeddings=False,
-    ),
-    dict(
-        vocab_size=89,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-    ),
+    dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+    dict(vocab_size=101, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+    dict(vocab_size=89, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
 ]
 
 
@@ -2094,9 +2069,9 @@ def test_group_keys_and_advantages_by_hand():
     e = 1e-6
     lo, hi = round(-1 / (1 + e), 5), round(1 / (1 + e), 5)
     assert [round(s.adv, 5) for s in ss] == [lo, hi, 0.0, 0.0, lo, hi, lo, hi]
-    assert diag["zero_var_frac"] == 0.25 and diag["groups"] == 4 and len(kept) == 8
+    assert diag.zero_var_frac == 0.25 and diag.groups == 4 and len(kept) == 8
     kept, diag = G.compute_advantages(ss, "at_grpo", drop_zero_var=True)
-    assert len(kept) == 6 and diag["dropped"] == 2
+    assert len(kept) == 6 and diag.dropped == 2
     # dr_mas: (env 0, plan) pools 10, 10, 0, 4 -> mean 6, population std sqrt(((4^2)*2 + 36 + 4) / 4) = sqrt(18)
     G.compute_advantages(ss, "dr_mas")
     sd = math.sqrt(18)
@@ -2120,7 +2095,7 @@ def test_scale_rewards_none_and_batch_by_hand():
           _s(1, "plan", 0, 2, 2.0), _s(2, "plan", 0, 0, 3.0), _s(2, "plan", 0, 1, 3.0)]
     kept, diag = G.compute_advantages(ss, "at_grpo", scale="none")
     assert [s.adv for s in ss] == pytest.approx([-0.005, 0.005, -2.0, 2.0, 0.0, 0.0, 0.0])
-    assert diag["zero_var_frac"] == pytest.approx(1 / 3) and len(kept) == 7
+    assert diag.zero_var_frac == pytest.approx(1 / 3) and len(kept) == 7
     G.compute_advantages(ss, "at_grpo")
     assert ss[1].adv == pytest.approx(1.0, abs=1e-3) and ss[3].adv == pytest.approx(2 / math.sqrt(8 / 3), abs=1e-5)
     # dr_mas with scale none: the agent's pooled mean only ((env 1, plan) pools 0, 4, 2 -> mean 2)
@@ -2173,11 +2148,11 @@ def test_ppo_loss_clip_regions_by_hand():
     pos = torch.tensor([1.0])
     loss, st = G.ppo_loss(lp, old, pos, mask, n_tokens=4)
     # A>0: -min(r, clip(r)) -> -0.5, -1.2, -1.1, -1.2
-    assert loss.item() == pytest.approx((-0.5 - 1.2 - 1.1 - 1.2) / 4) and st["clip_tokens"] == 2
+    assert loss.item() == pytest.approx((-0.5 - 1.2 - 1.1 - 1.2) / 4) and st.clip_tokens == 2
     neg = torch.tensor([-1.0])
     loss, st = G.ppo_loss(lp, old, neg, mask, n_tokens=4)
     # A<0: max(r, clip(r)) = 0.8, 1.5, 1.1, 5.0 ; dual clip caps at c=3 -> 0.8, 1.5, 1.1, 3.0
-    assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 3.0) / 4) and st["clip_tokens"] == 1
+    assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 3.0) / 4) and st.clip_tokens == 1
     loss, _ = G.ppo_loss(lp, old, neg, mask, n_tokens=4, dual_clip=0)
     assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 5.0) / 4)
     loss, _ = G.ppo_loss(lp, old, pos, mask, n_tokens=4, eps_high=0.28)  # clip-higher
@@ -2197,7 +2172,7 @@ def test_log_ratio_clamp_keeps_a_broken_step_finite():
     adv, mask = torch.tensor([[1.0, 0.0, -1.0]]), torch.ones(1, 3)
     loss, st = G.ppo_loss(lp, old, adv, mask, 3, ref_logp=torch.tensor([[-0.5, -200.0, -1.0]]), kl_coef=0.1)
     loss.backward()
-    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all() and st["clamped_tokens"] == 1
+    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all() and st.clamped_tokens == 1
     fine = torch.tensor([[-0.5, -0.9, -1.0]])
     a, _ = G.ppo_loss(fine, old, adv, mask, 3)
     b = sum(-x * math.exp(y - z) for x, y, z in ((1.0, -0.5, -0.6), (0.0, -0.9, -1.0), (-1.0, -1.0, -1.0))) / 3
@@ -2226,9 +2201,8 @@ def test_entropy_bonus_by_hand():
     ent = torch.tensor([[0.3, 0.9, 5.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: neither term counts
     loss, st = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.1)
-    assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2) and st[
-        "entropy_sum"
-    ] == pytest.approx(1.2)
+    assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2)
+    assert st.entropy_sum == pytest.approx(1.2)
     loss.backward()
     assert ent.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
     off, _ = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.0)
@@ -2242,11 +2216,11 @@ def test_k3_kl_nonnegative_and_zero_when_equal():
     mask = torch.ones(3, 7)
     adv = torch.zeros(3)
     _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=ref, kl_coef=1.0)
-    assert st["kl_sum"] > 0
+    assert st.kl_sum > 0
     r = ref - lp
     assert ((torch.exp(r) - r - 1) >= 0).all()
     _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=lp.clone(), kl_coef=1.0)
-    assert st["kl_sum"] == 0.0
+    assert st.kl_sum == 0.0
 
 
 def test_token_mean_invariant_to_micro_batch_and_rank_split():
@@ -2547,7 +2521,7 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
     # tool: local 0.1 ran + 0.1 printed + 0.8 correct; team = the reasoner's provisional best (\boxed{5}) is correct
     assert got["tool"] == pytest.approx([2.0, 1.2, 1.0, 1.0])
     kept, diag = compute_advantages(samples, "at_grpo")
-    assert diag["groups"] == 2 and diag["group_size"] == 4
+    assert diag.groups == 2 and diag.group_size == 4
     assert envs[0].done and envs[0].success  # both winners (print(5), \boxed{5}) agree
 
 
@@ -2619,8 +2593,8 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
     )
     kept, diag = compute_advantages(samples, "at_grpo")
     assert (
-        diag["groups"] == 5
-        and diag["group_size"] == 2
+        diag.groups == 5
+        and diag.group_size == 2
         and {(s.role, s.turn) for s in samples} == {(r, 0) for r in E.team_roles(2, 2)}
     )
     assert envs[0].done and envs[0].success

@@ -225,7 +225,7 @@ BOUNDS = [
     ("mini_batch_rows", lambda v: v >= 0, "0 (use --minibatches) or the samples per optimizer step"),
     ("eval_every", lambda v: v >= 0, "0 (never) or a number of steps"),
     ("eval_n", lambda v: v >= 1, "at least 1 held-out instance"),
-    ("ckpt_every", lambda v: v >= 0, "0 (at the end only) or a number of steps"),
+    ("ckpt_every", lambda v: v >= 0, "0 (never) or a number of steps"),
     ("time_limit_min", lambda v: v >= 0, "0 (no limit) or minutes"),
     ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
@@ -392,11 +392,11 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             # FSDP averages gradients over ranks; the mean already spans them
             (loss * world).backward()
             stats.loss += loss.item()
-            stats.tokens += st["tokens"]
-            stats.clip_tokens += st["clip_tokens"]
-            stats.clamped_tokens += st["clamped_tokens"]
-            stats.kl_sum += st["kl_sum"]
-            stats.entropy_sum += st["entropy_sum"]
+            stats.tokens += st.tokens
+            stats.clip_tokens += st.clip_tokens
+            stats.clamped_tokens += st.clamped_tokens
+            stats.kl_sum += st.kl_sum
+            stats.entropy_sum += st.entropy_sum
             stats.dlogp += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer
         params = [q for g in opt.param_groups for q in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
@@ -592,7 +592,7 @@ def main(argv):
         scale = cfg["scale_rewards"]
         if scale == "group" and step < cfg["batch_std_steps"]:
             scale = "batch"
-        kept, diag = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
+        kept, group_stats = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
                                         C.all_sum, std_floor=cfg["std_floor"])
         mem = {"mem_rollout": C.cuda_peak_gib()}
 
@@ -625,7 +625,7 @@ def main(argv):
                                response_tokens=sum(len(s.response_ids) for s in samples),
                                formatted=sum(s.formatted for s in samples),
                                rewards=by_agent_turn(samples),
-                               zero_var_frac=diag["zero_var_frac"], group_size=diag["group_size"],
+                               zero_var_frac=group_stats.zero_var_frac, group_size=group_stats.group_size,
                                timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem)
         rec = step_record(cfg, step, roles, step_stats, updates, opts, dlogp_hist, master)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
