@@ -116,7 +116,7 @@ def bench_env_one(task):
     cache read SANDBOX_WORKERS / SCORE_THREADS / SANDBOX_CACHE at import, so each configuration is its own process."""
     import random
     import envs as E
-    from rollout import Agents, tree_rollout
+    from rollout import Agents, every_role, tree_rollout
     from scripted import DefaultScript, ScriptedEngine
     from transformers import AutoTokenizer
     d = tempfile.mkdtemp()
@@ -136,7 +136,7 @@ def bench_env_one(task):
         agents,
         4,
         2,
-        dict(temperature=1.0, top_p=1.0, max_new_tokens=100000),
+        every_role(temperature=1.0, top_p=1.0, max_new_tokens=100000),
         1.0,
         "greedy",
         random.Random(0),
@@ -180,7 +180,7 @@ def bench_train(n_rollouts=3, repeats=5):
     import train as T
     from grpo_mas import compute_advantages
     from policies import make_engine
-    from rollout import Agents, tree_rollout
+    from rollout import Agents, every_role, tree_rollout
     from transformers import AutoTokenizer
     cfg = T.configure([])  # the CPU default (preset tiny)
     base = tiny.base_path(cfg)
@@ -198,7 +198,7 @@ def bench_train(n_rollouts=3, repeats=5):
             agents,
             cfg["K"],
             cfg["turns"],
-            dict(temperature=1.0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"]),
+            every_role(temperature=1.0, top_p=1.0, max_new_tokens=cfg["max_new_tokens"]),
             1.0,
             "greedy",
             rng,

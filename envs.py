@@ -31,6 +31,7 @@ from collections import deque
 from typing import NamedTuple
 
 import judge
+import retrieval
 from judge import _actual, code_pass_rate, math_equal, reference_solution, run_asserts, run_tests
 from sandbox import run_code  # model-written code runs only there
 
@@ -112,7 +113,21 @@ PLAN_SYS = ("You are the plan agent of a two-agent team. A tool agent wrote a pr
             "write {fmt}.")
 
 
-class GridGame:
+class Env:
+    """What every task's env shares: who speaks next. `speakers()` names the agents that answer next
+    in this turn (one: it speaks alone; several: they answer the same state at once), () when the
+    turn is over. A fixed workflow lists its turn as `stages`, spoken in order; a routed one decides
+    from its state (the search task's router). Every agent speaks at most once per turn."""
+    stages = ()
+
+    def speakers(self):
+        for stage in self.stages:
+            if not all(role in self.spoken for role in stage):
+                return stage
+        return ()
+
+
+class GridGame(Env):
     """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and
     rewards."""
     roles_mas = ("tool", "plan")
@@ -122,6 +137,7 @@ class GridGame:
     def __init__(self, workflow="mas", compact=False):
         self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
         self.compact, self.turn, self.done, self.success = compact, 0, False, False
+        self.spoken = set()  # the agents that have answered this turn
         # what the plan agent sees this turn
         self.tool_text, self.tool_out, self.tool_sim = None, None, None
         self.format_ok = True
@@ -149,6 +165,7 @@ class GridGame:
         return out, self.parse(r.stdout if r.ok else "")
 
     def step(self, role, text):
+        self.spoken.add(role)
         if role == "tool":
             out, action = self.tool_answer(text)
             self.tool_text, self.tool_out, self.format_ok = text, out, action is not None
@@ -173,6 +190,7 @@ class GridGame:
 
     def end_turn(self):
         self.turn += 1
+        self.spoken = set()
 
     def tool_line(self):
         """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the
@@ -623,7 +641,7 @@ MAX_MISMATCHES = 3  # failing tester cases shown to both agents next turn
 MAX_EARLIER = 2
 
 
-class CodeEnv:
+class CodeEnv(Env):
     @property
     def stages(self):  # parallel: both agents answer the turn-start state
         return [self.roles]
@@ -639,11 +657,13 @@ class CodeEnv:
         self.attempts = []
         self.pending, self.format_ok = {}, True
         self.pass_rate = 0.0
+        self.spoken = set()
 
     def clone(self):
         new = copy.copy(self)
         new.pending, new.history, new.tests = dict(self.pending), list(self.history), list(self.tests)
         new.attempts = list(self.attempts)
+        new.spoken = set(self.spoken)
         return new
 
     def observe(self, role):
@@ -669,6 +689,7 @@ class CodeEnv:
                 {"role": "user", "content": task}]
 
     def step(self, role, text):
+        self.spoken.add(role)
         if role == "coder":
             code = extract_code(text)
             self.format_ok = code is not None
@@ -727,6 +748,7 @@ class CodeEnv:
         if len(self.roles) == 1:
             self.done = True  # single agent: one turn
         self.turn += 1
+        self.spoken = set()
 
 
 # -----------------------------------------------------------------------------
@@ -742,7 +764,7 @@ def _clip_mid(s, n=500):
     return s if len(s) <= 2 * n else s[:n] + "\n...\n" + s[-n:]
 
 
-class MathEnv:
+class MathEnv(Env):
     @property
     def stages(self):  # parallel
         return [self.roles]
@@ -752,10 +774,12 @@ class MathEnv:
         self.turn, self.done, self.success = 0, False, False
         self.prev = {}      # role -> (text shown to the other agent, answer)
         self.pending, self.format_ok = {}, True
+        self.spoken = set()
 
     def clone(self):
         new = copy.copy(self)
         new.prev, new.pending = dict(self.prev), dict(self.pending)
+        new.spoken = set(self.spoken)
         return new
 
     def observe(self, role):
@@ -768,6 +792,7 @@ class MathEnv:
         return [{"role": "system", "content": sys_msg}, {"role": "user", "content": task}]
 
     def step(self, role, text):
+        self.spoken.add(role)
         gold = self.row["answer"]
         if role == "reasoner":
             ans = last_boxed(text)
@@ -802,6 +827,7 @@ class MathEnv:
             self.done = True
         self.pending = {}
         self.turn += 1
+        self.spoken = set()
 
 
 # -----------------------------------------------------------------------------
@@ -887,6 +913,7 @@ class TeamMathEnv(MathEnv):
         return [{"role": "system", "content": MATH_JUDGE_SYS}, {"role": "user", "content": task}]
 
     def step(self, role, text):
+        self.spoken.add(role)
         if role == "judge":
             ans = last_boxed(text)
             self.format_ok = ans is not None
@@ -927,6 +954,261 @@ class TeamMathEnv(MathEnv):
         self.done = self.done or (self.mode == "aggregate" and judge is not None)  # one turn
         self.pending = {}
         self.turn += 1
+        self.spoken = set()
+
+
+# -----------------------------------------------------------------------------
+# Math, Dr. MAS's workflow (--workflow solver_verifier): a solver, then a verifier that approves
+# (the item leaves the loop) or rejects (the solver tries again, seeing every earlier solution and
+# critique), up to the turn limit; on the last turn the verifier is skipped (Dr. MAS
+# `agent_system/agent/orchestra/math/math_orchestra.py`, max_loop_num)
+
+SOLVER_SYS = ("You are the Solver of a multi-agent team. Solve the problem step by step, treating your "
+              "teammates' earlier outputs as context, and put the final answer in \\boxed{}.")
+VERIFIER_SYS = ("You are the Verifier of a multi-agent team. Check the most recent solution step by step. "
+                "End with <verify>approve</verify> if it is correct, or <verify>reject</verify> if you find "
+                "any error.")
+FORMAT_PENALTY = 0.1  # an answer without its tag or \boxed{} (Dr. MAS's invalid-action penalty, math)
+
+
+def parse_verdict(text, yes, no):
+    """<verify>yes</verify> or <verify>no</verify> -> (the verdict, well-formed). Dr. MAS's rule: an
+    answer with neither tag counts as the first (approve; "yes, enough"), and is ill-formed."""
+    found = re.findall(r"<verify>\s*(\w+)\s*</verify>", text or "", re.I)
+    if found and found[-1].lower() in (yes, no):
+        return found[-1].lower(), True
+    return yes, False
+
+
+class MathVerifyEnv(Env):
+    """Rewards (per call, immediate): team = the current solution is correct (math-verify);
+    solver local = -0.1 without a \boxed{} answer; verifier local = 1 if its verdict is right (approve
+    a correct solution, reject a wrong one), -0.1 without a verdict tag. Success: the final solution
+    is correct. Dr. MAS's own assignment (every call gets the episode's outcome) is --reward outcome."""
+    roles = ("solver", "verifier")
+
+    def __init__(self, row, max_turns=2, compact=False):
+        self.row, self.max_turns = row, max_turns
+        self.turn, self.done, self.success, self.format_ok = 0, False, False, True
+        self.spoken = set()
+        self.solution = None   # the current Answer
+        self.context = []      # every earlier output, as the team sees it
+        self.approved = False
+
+    def clone(self):
+        new = copy.copy(self)
+        new.spoken, new.context = set(self.spoken), list(self.context)
+        return new
+
+    def speakers(self):
+        if "solver" not in self.spoken:
+            return ("solver",)
+        if "verifier" not in self.spoken and self.turn < self.max_turns - 1:
+            return ("verifier",)
+        return ()
+
+    def observe(self, role):
+        task = f"Problem:\n{self.row['question']}"
+        if self.context:
+            task += "\n\nYour teammates' outputs:" + "".join(self.context)
+        return [{"role": "system", "content": SOLVER_SYS if role == "solver" else VERIFIER_SYS},
+                {"role": "user", "content": task}]
+
+    def step(self, role, text):
+        self.spoken.add(role)
+        if role == "solver":
+            answer = last_boxed(text)
+            self.format_ok = answer is not None
+            self.solution = Answer(_clip_mid(text or ""), answer, math_equal(self.row["answer"], answer))
+            self.context.append(f'\nThe output of "Solver": {self.solution.shown}\n')
+            self.success = self.solution.correct
+            return 0.0 if self.format_ok else -FORMAT_PENALTY
+        verdict, self.format_ok = parse_verdict(text, "approve", "reject")
+        self.context.append(f'\nThe output of "Verifier": {_clip_mid(text or "")}\n')
+        self.approved = verdict == "approve"
+        self.done = self.approved  # an approved item leaves the loop
+        right = self.approved == self.solution.correct
+        return float(right) if self.format_ok else -FORMAT_PENALTY
+
+    def team_reward(self):
+        return float(bool(self.solution and self.solution.correct))
+
+    def end_turn(self):
+        self.turn += 1
+        self.spoken = set()
+        self.done = self.done or self.turn >= self.max_turns
+
+
+# -----------------------------------------------------------------------------
+# Search (Dr. MAS's search workflow): each turn a verifier, acting as router, judges whether the
+# retrieved information suffices; "no" calls the search agent (its query goes to the retriever, the
+# passages join the history), "yes" calls the answer agent, and the episode ends at the answer or at
+# the turn limit (on the last turn a "no" calls nobody). Dr. MAS `orchestra/search/search_orchestra.py`.
+
+ROUTER_SYS = ("You are the Verifier of a search team. Review the question and the information retrieved so "
+              "far, and judge whether it is enough to answer. End with <verify>yes</verify> if it is, "
+              "<verify>no</verify> if more searching is needed.")
+SEARCH_SYS = ("You are the Search agent of a search team. Think inside <think></think>, then write one "
+              "query for the missing information inside <search></search>.")
+ANSWER_SYS = ("You are the Answer agent of a search team. Think inside <think></think>, then give the "
+              "final short answer inside <answer></answer>.")
+SEARCH_HIT, ROUTE_RIGHT = 0.5, 0.5  # the search agent's and the router's local rewards (shaping)
+
+
+def tag(text, name):
+    """The content of the last <name>...</name> in text, stripped; None if there is none."""
+    found = re.findall(rf"<{name}>(.*?)</{name}>", text or "", re.S)
+    return found[-1].strip() if found else None
+
+
+class SearchEnv(Env):
+    """One question, its gold answers, a retriever (`retrieval.BM25` or `HttpRetriever`), `topk`
+    passages per search. Rewards (per call, immediate; ours, so that the tree has a signal at every
+    node; Dr. MAS's own, every call gets the episode's exact match, is --reward outcome):
+      answer  local = exact match (or token F1: metric "f1") of its answer; the episode ends
+      search  local = 0.5 if its passages bring a gold passage (any hop) the history did not hold;
+              where the data names no gold passages, an answer-bearing one
+      verifier local = 0.5 if its verdict is right: "yes" exactly when the history holds one
+      team    1 once the answer is right; every ill-formed answer -0.1
+    An answer-bearing passage is the question's last gold passage where the data names them (the
+    generated worlds, HotpotQA's supporting facts), else one that contains a gold answer."""
+    roles = ("verifier", "search", "answer")
+
+    def __init__(self, question, answers, retriever, topk=3, max_turns=4, compact=False, gold=(),
+                 metric="em"):
+        self.question, self.answers, self.retriever = question, list(answers), retriever
+        self.topk, self.max_turns, self.compact, self.gold, self.metric = topk, max_turns, compact, gold, metric
+        self.turn, self.done, self.success, self.format_ok = 0, False, False, True
+        self.spoken, self.verdict = set(), None
+        self.history = []   # (query, [Passage] or an error text) per search
+        self.seen = []      # passage ids retrieved so far
+        self.answer = None
+
+    def clone(self):
+        new = copy.copy(self)
+        new.spoken, new.history, new.seen = set(self.spoken), list(self.history), list(self.seen)
+        return new
+
+    def speakers(self):
+        if self.done:
+            return ()
+        if "verifier" not in self.spoken:
+            return ("verifier",)
+        if self.verdict == "no" and "search" not in self.spoken and self.turn < self.max_turns - 1:
+            return ("search",)
+        if self.verdict == "yes" and "answer" not in self.spoken:
+            return ("answer",)
+        return ()
+
+    def answer_bearing(self, passages):
+        if self.gold:
+            return [p for p in passages if p.id == self.gold[-1]]
+        gold = [judge.normalize_answer(a) for a in self.answers]
+        return [p for p in passages if any(g and g in judge.normalize_answer(p.contents) for g in gold)]
+
+    def sufficient(self):
+        found = [p for _, hits in self.history if not isinstance(hits, str) for p in hits]
+        return bool(self.answer_bearing(found))
+
+    def step(self, role, text):
+        self.spoken.add(role)
+        if role == "verifier":
+            if self.compact:
+                verdict = (text or "").strip().lower()
+                self.format_ok = verdict in ("y", "n")
+                self.verdict = {"y": "yes", "n": "no"}.get(verdict, "yes")
+            else:
+                self.verdict, self.format_ok = parse_verdict(text, "yes", "no")
+            right = (self.verdict == "yes") == self.sufficient()
+            return ROUTE_RIGHT * right if self.format_ok else -FORMAT_PENALTY
+        if role == "search":
+            query = (text or "").strip() if self.compact else tag(text, "search")
+            self.format_ok = bool(query) and len(query) <= 300
+            if not self.format_ok:
+                self.history.append((query or "", "(no query: write it inside <search></search>)"))
+                return -FORMAT_PENALTY
+            try:
+                hits = self.retriever.search(query, self.topk)
+                retrieval.count(failed=False)
+            except retrieval.RetrievalError as e:
+                retrieval.count(failed=True)
+                self.history.append((query, f"(the search failed: {e})"))
+                return 0.0
+            new = [p for p in hits if p.id not in self.seen]
+            self.seen += [p.id for p in new]
+            self.history.append((query, hits))
+            useful = [p for p in new if p.id in self.gold] if self.gold else self.answer_bearing(new)
+            return SEARCH_HIT * bool(useful)
+        self.answer = (text or "").strip() if self.compact else tag(text, "answer")
+        self.format_ok = bool(self.answer)
+        self.done = True
+        self.success = judge.exact_match(self.answer, self.answers) == 1.0
+        if not self.format_ok:
+            return -FORMAT_PENALTY
+        if self.metric == "f1":
+            return judge.f1_score(self.answer, self.answers)
+        return judge.exact_match(self.answer, self.answers)
+
+    def team_reward(self):
+        return float(self.success)
+
+    def end_turn(self):
+        self.turn += 1
+        self.spoken, self.verdict = set(), None
+        self.done = self.done or self.turn >= self.max_turns
+
+    def observe(self, role):
+        if self.compact:
+            lines = [f"q:{self.question}"]
+            for query, hits in self.history:
+                lines.append(hits if isinstance(hits, str) else " ".join(p.text for p in hits))
+            lines.append({"verifier": "ok?", "search": "find:", "answer": "ans:"}[role])
+            return [{"role": "user", "content": "\n".join(lines)}]
+        info = ""
+        for n, (query, hits) in enumerate(self.history, 1):
+            found = hits if isinstance(hits, str) else "\n".join(
+                f"Doc {i}(Title: {p.title}) {p.text}" for i, p in enumerate(hits, 1))
+            info += f"\nStep {n}: <search>{query}</search>\n<information>{found}</information>\n"
+        task = (f"Question: {self.question}\nYou are at step {self.turn + 1} of {self.max_turns}."
+                + (f"\n\nSearches so far:{info}" if info else "\n\nNothing has been searched yet."))
+        sys_msg = {"verifier": ROUTER_SYS, "search": SEARCH_SYS, "answer": ANSWER_SYS}[role]
+        return [{"role": "system", "content": sys_msg}, {"role": "user", "content": task}]
+
+
+# The search miniature: a generated world per question, so that the tiny model can learn the workflow
+# on CPU (the compact games' idea). Six entities, single letters; each has a link (another entity)
+# and a value (a digit), and one passage: '"a"\na>c=5'. A question asks a value one hop away
+# ("a=?": a's value) or two ("a>=?": the value of a's link). BM25 over the world's six passages,
+# one passage per search in compact mode (the entity's own passage ranks first: its title repeats it).
+
+WORLD_SIZE = 6
+
+
+def make_world(seed):
+    """(question, answer, passages, gold passage ids in hop order) of generated question `seed`."""
+    rng = random.Random(f"search-{seed}")
+    names = rng.sample("abcdefghijklmnopqrstuvwxyz", WORLD_SIZE)
+    link = {x: rng.choice([y for y in names if y != x]) for x in names}
+    value = {x: str(rng.randrange(10)) for x in names}
+    passages = [retrieval.Passage(x, f'"{x}"\n{x}>{link[x]}={value[x]}') for x in names]
+    start = rng.choice(names)
+    if rng.random() < 0.5:
+        return f"{start}=?", value[start], passages, (start,)
+    return f"{start}>=?", value[link[start]], passages, (start, link[start])
+
+
+def make_search(seed, workflow="mas", compact=False, turns=4, topk=1, row=None, retriever=None,
+                metric="em"):
+    """A search env: a generated question (`seed`) over its own world, or a dataset row with its own
+    passages (HotpotQA's context) or the shared `retriever`."""
+    if row is None:
+        question, answer, passages, gold = make_world(seed)
+        if not compact:
+            hops = "the value of the entity" if len(gold) == 1 else "the value of the entity linked to"
+            question = f"What is {hops} {gold[0]!r}? (passages read 'x>y=v': x links to y, its value is v)"
+        return SearchEnv(question, [answer], retrieval.BM25(passages), topk, turns, compact, gold, metric)
+    index = retrieval.BM25(row["passages"]) if row["passages"] else retriever
+    return SearchEnv(row["question"], row["answers"], index, topk, turns, compact, row["gold"], metric)
 
 
 # -----------------------------------------------------------------------------
@@ -948,30 +1230,39 @@ def load_jsonl(path):
 # Sudoku test set overlapped its training pool).
 TEST_SEED0, MAX_TEST = 10 ** 6, 1000
 _TEST_BOARDS = {}
-TASKS = {
-    "plan": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
-    "sokoban": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
-    "sudoku": dict(roles=("tool", "plan"), single="plan", workflow="sequential"),
-    "code": dict(roles=("coder", "tester"), single="coder", workflow="parallel",
+TASKS = {  # each task's workflows: --workflow NAME -> its roles; the first is the default
+    "plan": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
+    "sokoban": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
+    "sudoku": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
+    "code": dict(workflows={"mas": ("coder", "tester"), "single": ("coder",)},
                  train=["code/train/leetcode_train.jsonl", "code/train/livecodebench_v5_2305_2407_public.jsonl"],
                  test=["code/test/livecodebench_v5_2408_2501_public.jsonl", "code/test/code_contests_test.jsonl",
                        "code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl"]),
-    "math": dict(roles=("tool", "reasoner"), single="reasoner", workflow="parallel",
+    "math": dict(workflows={"mas": ("tool", "reasoner"), "single": ("reasoner",),
+                            "solver_verifier": ("solver", "verifier")},
                  train=["math/train/math_train.jsonl", "math/train/aime_1983_2023.jsonl"],
                  test=["math/test/aime2024.jsonl", "math/test/aime2025.jsonl", "math/test/olympiadbench.jsonl",
                        "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
+    "search": dict(workflows={"mas": ("verifier", "search", "answer")}),
 }
+GENERATED = ("plan", "sokoban", "sudoku", "search")  # instances from seeds (search: without --search_train)
+WORKFLOWS = sorted({w for t in TASKS.values() for w in t["workflows"]})
 COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": {}, "sudoku": {}}
 # the compact answer's length in tokens of the tiny byte-level tokenizer, end of turn included (the
 # response budget)
-COMPACT_ANSWER_TOKENS = {"plan": 8, "sokoban": 8, "sudoku": 17}
+COMPACT_ANSWER_TOKENS = {"plan": 8, "sokoban": 8, "sudoku": 17, "search": 3}
+
+
+def task_roles(task, workflow="mas"):
+    return TASKS[task]["workflows"][workflow]
 
 
 def check_task(task, workflow="mas"):
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
-    if workflow not in ("mas", "single"):
-        raise ValueError(f"unknown workflow {workflow!r}: use --workflow mas or --workflow single")
+    if workflow not in TASKS[task]["workflows"]:
+        raise ValueError(f"task {task!r} has no workflow {workflow!r}: use --workflow "
+                         + " or ".join(TASKS[task]["workflows"]))
 
 
 def make_game(task, seed, workflow="mas", compact=False):
@@ -981,44 +1272,56 @@ def make_game(task, seed, workflow="mas", compact=False):
 
 def load_split(task, split, files=None):
     """Rows of a dataset task: `files` (a user's own jsonl in the same schema) or the task's shipped
-    files."""
+    files. Search questions: retrieval.load_questions (Search-R1's and HotpotQA's formats)."""
     check_task(task)
-    files = files or TASKS[task][split]
+    files = files or TASKS[task].get(split, [])
     rows = []
     for f in files:
         path = f if os.path.isabs(f) or os.path.exists(f) else os.path.join(DATA, f)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no dataset file {path!r}: pass a jsonl in the schema of data/README.md")
-        rows += load_jsonl(path)
+        rows += retrieval.load_questions(path) if task == "search" else load_jsonl(path)
     return rows
 
 
-def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None, team=None):
-    """`team` (n, m, mode): math with n reasoners, m tool agents and a judge (TeamMathEnv)."""
+def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None, team=None, turns=4,
+             search=None):
+    """`team` (n, m, mode): math with n reasoners, m tool agents and a judge (TeamMathEnv). `turns`:
+    the turn limit of the workflows that end themselves there (solver_verifier, search). `search`:
+    the search task's settings, a dict of topk, retriever, metric."""
     check_task(task, workflow)
     if task in ("plan", "sokoban", "sudoku"):
         return make_game(task, seed, workflow, compact)
+    if task == "search":
+        return make_search(seed, workflow, compact, turns, row=row, **(search or {}))
     if row is None:
         raise ValueError(f"task {task!r} needs a dataset row (see load_split)")
     if team:
         return TeamMathEnv(row, *team)
+    if workflow == "solver_verifier":
+        return MathVerifyEnv(row, max_turns=turns)
     return CodeEnv(row, workflow, train_tests=train_tests) if task == "code" else MathEnv(row, workflow)
 
 
-def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None):
-    """Fixed evaluation instances: games from the reserved test seeds, datasets from their test
-    files."""
-    if task in ("plan", "sokoban", "sudoku"):
+def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None, turns=4,
+             search=None):
+    """Fixed evaluation instances: generated games and worlds from the reserved test seeds, datasets
+    from their test files (search: --search_test)."""
+    if task in GENERATED and not files:
         if (limit or n) > MAX_TEST:
             raise ValueError(f"at most {MAX_TEST} test instances are reserved for {task}")
-        return [make_game(task, TEST_SEED0 + i, workflow, compact) for i in range(limit or n)]
+        return [make_env(task, TEST_SEED0 + i, workflow, compact, turns=turns, search=search)
+                for i in range(limit or n)]
     rows = load_split(task, "test", files)[:limit]
-    return [make_env(task, workflow=workflow, row=r, team=team) for r in rows]
+    return [make_env(task, workflow=workflow, row=r, team=team, turns=turns, search=search) for r in rows]
 
 
-def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None):
-    """A fresh training instance: a game seed below TEST_SEED0, or a random row of the training
-    pool."""
+def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None, turns=4,
+              search=None):
+    """A fresh training instance: a game or world seed below TEST_SEED0, or a random row of the
+    training pool."""
+    if task == "search" and not rows:
+        return make_env(task, rng.randrange(TEST_SEED0), workflow, compact, turns=turns, search=search)
     if task in ("plan", "sokoban", "sudoku"):
         key = (task, compact)
         if key not in _TEST_BOARDS:
@@ -1027,4 +1330,5 @@ def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5
             env = make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
             if env.board() not in _TEST_BOARDS[key]:
                 return env
-    return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests, team=team)
+    return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests, team=team,
+                    turns=turns, search=search)

@@ -24,7 +24,7 @@ import common as C
 import envs as E
 import policies as P
 import train as T
-from rollout import Agents, evaluate
+from rollout import Agents, Sampling, evaluate
 
 # -----------------------------------------------------------------------------
 # config: eval.py's own flags; the others are train.py's (TRAIN_FLAGS), with its presets
@@ -34,9 +34,10 @@ out = ""                   # write OUT.json and OUT.md
 # -----------------------------------------------------------------------------
 
 OWN = {"limit": limit, "files": files, "out": out}
-TRAIN_FLAGS = ("task", "model", "policy", "workflow", "team", "team_mode", "engine", "preset", "thinking",
-               "eval_k", "eval_temperature", "eval_turns", "eval_max_new_tokens", "eval_n",
-               "max_prompt_tokens", "max_model_len", "tool_timeout", "test_timeout")
+TRAIN_FLAGS = ("task", "model", "policy", "workflow", "team", "team_mode", "engine", "preset",
+               "eval_k", "eval_temperature", "eval_top_p", "eval_turns", "eval_max_new_tokens", "eval_thinking",
+               "eval_n", "max_prompt_tokens", "max_model_len", "tool_timeout", "test_timeout",
+               "search_test", "retriever", "search_topk", "search_metric")
 FLAGS = {**{k: T.FLAGS[k] for k in TRAIN_FLAGS}, **OWN}
 
 
@@ -52,7 +53,9 @@ def configure(argv):
     every check that can run before a model loads."""
     cfg = dict(FLAGS)
     choices = {k: v for k, v in T.CHOICES.items() if k in cfg}
-    given = C.parse_flags(argv, cfg, choices, repeatable=("policy", "files"), help_text=help_text())
+    per_role = [k for k in P.PER_ROLE_FLAGS if k in cfg]
+    given = C.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
+                          help_text=help_text())
     if not cfg["task"]:
         raise SystemExit("--task is required (plan, sokoban, sudoku, code, math); tables and plots of "
                          "training runs: tools/runs.py")
@@ -66,27 +69,29 @@ def configure(argv):
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
     if not cfg["preset"]:
         cfg["preset"] = T.default_preset(cfg["task"], tiny)
-    for k, v in T.PRESETS[cfg["preset"]].items():
+    overrides = T.PRESETS[cfg["preset"]]
+    for k, v in overrides.items():
         if k not in given and k in cfg:
             cfg[k] = v
+    cfg["role_defaults"] = {k: overrides.get(k, T.FLAGS[k]) for k in P.PER_ROLE_FLAGS}
+    longest = max(P.flag_values(cfg, "eval_max_new_tokens"))
     if "max_model_len" not in given:  # room for a whole prompt and a whole answer
-        whole = cfg["max_prompt_tokens"] + cfg["eval_max_new_tokens"]
-        cfg["max_model_len"] = max(cfg["max_model_len"], whole)
+        cfg["max_model_len"] = max(cfg["max_model_len"], cfg["max_prompt_tokens"] + longest)
     for name in ("eval_k", "eval_turns", "eval_max_new_tokens", "eval_n", "max_prompt_tokens"):
-        if cfg[name] < 1:
+        if min(P.flag_values(cfg, name)) < 1:
             raise SystemExit(f"--{name} {cfg[name]}: use at least 1")
     if cfg["limit"] < 0:
         raise SystemExit(f"--limit {cfg['limit']}: use 0 (every instance) or a number of instances")
-    if cfg["eval_k"] > 1 and cfg["eval_temperature"] == 0.0:
+    temperatures = P.flag_values(cfg, "eval_temperature")
+    if cfg["eval_k"] > 1 and 0.0 in temperatures:
         raise SystemExit(f"--eval_k {cfg['eval_k']} with greedy decoding gives identical samples: set "
                          "--eval_temperature (math's protocol: 0.6)")
-    if cfg["eval_temperature"] < 0:
+    if min(temperatures) < 0:
         raise SystemExit(f"--eval_temperature {cfg['eval_temperature']}: use 0 (greedy) or above")
     context = min(c.get("max_position_embeddings", 40960) for c in configs)
-    budgets = cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"]
-    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["eval_max_new_tokens"] = C.fit_context(*budgets, context)
+    T.fit_sampling(cfg, "eval_", context)
     # a tiny model plays the compact games
-    cfg["compact"] = tiny and cfg["task"] in ("plan", "sokoban", "sudoku")
+    cfg["compact"] = tiny and cfg["task"] in E.GENERATED
     return cfg, paths
 
 
@@ -131,8 +136,12 @@ def main(argv):
     task, workflow = cfg["task"], cfg["workflow"]
     E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
     files = [f for f in cfg["files"].split(",") if f] or None
+    if cfg["search_test"]:
+        files = [cfg["search_test"]]
+    search = T.search_settings(cfg)
     test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow, files=files,
-                           limit=cfg["limit"] or None, team=P.parse_team(cfg))
+                           limit=cfg["limit"] or None, team=P.parse_team(cfg), turns=cfg["eval_turns"],
+                           search=search)
 
     from transformers import AutoTokenizer
     folders = sorted(set(paths.values()))
@@ -140,10 +149,9 @@ def main(argv):
                for folder in folders]
     role_to_policy = {r: folders.index(p) for r, p in paths.items()}
     agents = Agents(AutoTokenizer.from_pretrained(folders[0]), engines, role_to_policy,
-                    max_prompt_tokens=cfg["max_prompt_tokens"], thinking=cfg["thinking"])
-    res = evaluate(test_envs, agents, cfg["eval_turns"], k=cfg["eval_k"],
-                   temperature=cfg["eval_temperature"], max_new_tokens=cfg["eval_max_new_tokens"],
-                   progress=True)
+                    max_prompt_tokens=cfg["max_prompt_tokens"])
+    sampling = {r: Sampling(**s) for r, s in cfg["role_eval_sampling"].items()}
+    res = evaluate(test_envs, agents, cfg["eval_turns"], sampling, k=cfg["eval_k"], progress=True)
     sampling = "greedy" if cfg["eval_temperature"] == 0 else f"T={cfg['eval_temperature']}"
     protocol = (f"{task}, {workflow}, {sampling}, k={cfg['eval_k']}, turns={cfg['eval_turns']}, "
                 f"n={res['n']}")

@@ -116,6 +116,16 @@ def trajectory_returns(samples):
         s.ret = tot[(s.env, s.traj, s.role)]
 
 
+def outcome_rewards(samples, trajectories, alpha, penalty):
+    """--reward outcome, Dr. MAS's assignment: every call's reward is alpha x its trajectory's final
+    team reward (the episode's outcome), minus `penalty` for an ill-formed answer. `trajectories`:
+    the final envs, K per env, as plain_rollout returns them."""
+    for s in samples:
+        s.team = trajectories[s.env][s.traj].team_reward()
+        s.local = -penalty if not s.formatted else 0.0
+        s.reward = alpha * s.team + s.local
+
+
 def by_agent_turn(samples):
     """Mean reward per agent and per (agent, turn): the per-agent / per-turn diagnostics."""
     acc = defaultdict(list)
@@ -138,7 +148,8 @@ class Row:
     only, with positions that continue from the prompt's end, so every response token has exactly
     the context it was sampled with and the prompt is trained once, not K times. `sel` are the
     positions whose next-token distribution scores each target (the prompt's last position for every
-    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob)."""
+    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob), `temp` (the
+    temperature it was sampled at)."""
     ids: list
     pos: list
     seg: list  # 0: prompt; k + 1: response k (its last token is a target only, never an input)
@@ -146,6 +157,7 @@ class Row:
     tgt: list
     adv: list
     slp: list
+    temp: list
     # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
     old: object = None
 
@@ -158,7 +170,8 @@ def make_rows(samples, pack):
     rows = []
     for g in groups.values():
         p = len(g[0].prompt_ids)
-        r = Row(list(g[0].prompt_ids), list(range(p)), [0] * p, [], [], [], [])
+        r = Row(ids=list(g[0].prompt_ids), pos=list(range(p)), seg=[0] * p, sel=[], tgt=[], adv=[], slp=[],
+                temp=[])
         for k, s in enumerate(g):
             n, start = len(s.response_ids), len(r.ids)
             r.ids += s.response_ids[:-1]
@@ -168,6 +181,7 @@ def make_rows(samples, pack):
             r.tgt += s.response_ids
             r.adv += [s.adv] * n
             r.slp += s.sampler_logprobs
+            r.temp += [s.temperature] * n
         rows.append(r)
     return rows
 
@@ -219,6 +233,7 @@ def collate(mb, device, flex=None):
     sel = torch.zeros(B, N, dtype=torch.long)
     tgt = torch.zeros(B, N, dtype=torch.long)
     w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
+    temp = torch.ones(B, N)
     old = torch.zeros(B, N) if mb[0].old is not None else None
     for b, r in enumerate(mb):
         T_r, n = len(r.ids), len(r.tgt)
@@ -230,11 +245,13 @@ def collate(mb, device, flex=None):
         w[b, :n] = float(r is not DUMMY)
         adv[b, :n] = torch.tensor(r.adv, dtype=torch.float32)
         slp[b, :n] = torch.tensor(r.slp, dtype=torch.float32)
+        temp[b, :n] = torch.tensor(r.temp, dtype=torch.float32)
         if old is not None:
             old[b, :n] = r.old
     attn = packed_mask(seg, device, flex) if packed else None
-    dev = [x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp)]
-    return Batch(*dev[:3], attn, *dev[3:], None if old is None else old.to(device))
+    ids, pos, sel, tgt, w, adv, slp, temp = (x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp, temp))
+    old = None if old is None else old.to(device)
+    return Batch(ids=ids, pos=pos, sel=sel, attn=attn, tgt=tgt, w=w, adv=adv, slp=slp, temp=temp, old=old)
 
 
 @functools.cache
@@ -278,12 +295,13 @@ class Batch:
     w: torch.Tensor    # 1 for a real target, 0 for padding
     adv: torch.Tensor
     slp: torch.Tensor
+    temp: torch.Tensor  # each target's sampling temperature (the trainer divides its logits by it)
     # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
     old: object
 
 
 # a zero-weight row: keeps every rank's FSDP collectives in step
-DUMMY = Row([0, 0], [0, 1], [0, 0], [0], [0], [0.0], [0.0])
+DUMMY = Row(ids=[0, 0], pos=[0, 1], seg=[0, 0], sel=[0], tgt=[0], adv=[0.0], slp=[0.0], temp=[1.0])
 
 
 # -----------------------------------------------------------------------------

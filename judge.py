@@ -18,6 +18,7 @@ import select
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 from sandbox import run_many
 
@@ -353,3 +354,37 @@ def math_equal(gold, pred, timeout=None):
     if pred is None or not str(pred).strip() or len(str(pred)) > 1000:
         return False
     return _MATH.check(str(gold), str(pred), MATH_TIMEOUT if timeout is None else timeout)
+
+
+# -----------------------------------------------------------------------------
+# the answer checker of the search task: exact match and token F1 after SQuAD's normalization, as
+# Search-R1 (`verl/utils/reward_score/qa_em.py`) and Dr. MAS score their answers
+
+
+def normalize_answer(text):
+    """Lower case, no punctuation, no articles (a, an, the), single spaces."""
+    import string
+    text = "".join(c for c in str(text).lower() if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction, answers):
+    """1.0 if the normalized prediction equals any normalized gold answer."""
+    if prediction is None:
+        return 0.0
+    return float(any(normalize_answer(prediction) == normalize_answer(a) for a in answers))
+
+
+def f1_score(prediction, answers):
+    """The best token F1 of the normalized prediction against any gold answer (SQuAD's)."""
+    if prediction is None:
+        return 0.0
+    best = 0.0
+    for answer in answers:
+        pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
+        common = sum((Counter(pred) & Counter(gold)).values())
+        if common:
+            precision, recall = common / len(pred), common / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best

@@ -248,9 +248,13 @@ class LMHead(nn.Linear):
             return super().forward(h)
         B, T, H = h.shape
         h, t = h.reshape(B * T, H), targets.reshape(B * T)
+        per_token = torch.is_tensor(temperature)  # [B, T]: each sample at the temperature it was sampled at
+        if per_token:
+            temperature = temperature.reshape(B * T, 1)
         out = []
         for s in range(0, B * T, chunk):
-            args = (h[s:s + chunk], self.weight, t[s:s + chunk], temperature, entropy)
+            temp = temperature[s:s + chunk] if per_token else temperature
+            args = (h[s:s + chunk], self.weight, t[s:s + chunk], temp, entropy)
             if torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad):
                 out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
@@ -289,8 +293,9 @@ class Qwen3(nn.Module):
     def forward(self, input_ids, targets=None, temperature=1.0, position_ids=None, mask=None,
                 cache=None, start=0, chunk=1024, select=None, entropy=False):
         """Logits [B, T, vocab]; or, given `targets`, fp32 log softmax(logits /
-        temperature)[targets] as [B, T] (see LMHead); with `entropy`, [B, T, 2]: (that log-prob, the
-        full distribution's entropy) per position. `select` [B, N]: score only the hidden states at
+        temperature)[targets] as [B, T] (see LMHead; `temperature`: a number, or [B, T], one per
+        target); with `entropy`, [B, T, 2]: (that log-prob, the full distribution's entropy) per
+        position. `select` [B, N]: score only the hidden states at
         these positions (targets then [B, N]): the positions that predict response tokens, so prompt
         positions never reach the 151936-wide head. Going through module calls (never reaching into
         a weight from outside) matters: FSDP2 unshards a unit's weights in its forward hooks."""

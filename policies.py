@@ -21,12 +21,28 @@ import envs as E
 import model as M
 from model import iter_hf_state
 from engines import TorchEngine, VLLMEngine
+from rollout import Sampling
 from scripted import ScriptedEngine
 
 # --policy ROLE=tiny-small: the embedded tiny model at that size
 TINY_SIZES = ("tiny", "tiny-small")
 # the training settings a role (its policy) may set on its own
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")
+# how a role samples (a role, not a policy: one policy may play two roles at two temperatures); the
+# eval_ ones are evaluation's
+SAMPLING = ("temperature", "top_p", "max_new_tokens", "thinking")
+PER_ROLE_FLAGS = PER_ROLE + SAMPLING + tuple("eval_" + k for k in SAMPLING)
+
+
+def as_bool(text):
+    if str(text).lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"{text!r} is not true or false")
+    return str(text).lower() in ("1", "true", "yes")
+
+
+CASTS = {"lr": float, "micro_batch_tokens": int, "minibatches": int, "temperature": float, "top_p": float,
+         "max_new_tokens": int, "thinking": as_bool}
+as_bool.__name__ = "bool"
 
 
 @dataclass
@@ -60,7 +76,7 @@ def task_roles(cfg):
     team = parse_team(cfg)
     if team:
         return E.team_roles(*team[:2])
-    return E.TASKS[cfg["task"]]["roles"] if cfg["workflow"] == "mas" else (E.TASKS[cfg["task"]]["single"],)
+    return E.task_roles(cfg["task"], cfg["workflow"])
 
 
 def per_role(cfg, key, roles, cast, default):
@@ -104,8 +120,7 @@ def resolve(cfg):
     if not cfg["model"] and any(tiny_bases) and not all(tiny_bases):
         raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model "
                          "for the rest)")
-    settings = {k: per_role(cfg, k, roles, float if k == "lr" else int, cfg["role_defaults"][k])
-                for k in PER_ROLE}
+    settings = {k: per_role(cfg, k, roles, CASTS[k], cfg["role_defaults"][k]) for k in PER_ROLE}
     for r in roles:
         if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
             raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
@@ -145,6 +160,27 @@ def describe(cfg, p, policy, opt):
     return (f"policy {p} {policy.name}: base {policy.base}{lora}, lr {policy.lr:g}, micro_batch_tokens "
             f"{policy.micro_batch_tokens}, minibatches {policy.minibatches}; trains {n_train / 1e6:.2f}M params "
             f"(AdamW state {8 * n_train / 2 ** 20:.1f} MiB)")
+
+
+def flag_values(cfg, name):
+    """Every value a flag holds: one, or one per role it names (ROLE=VALUE,...), for bounds checks
+    before the roles are known to be right."""
+    value = cfg[name]
+    if not isinstance(value, str) or "=" not in value:
+        return [value]
+    cast = CASTS[name.removeprefix("eval_")]
+    try:
+        return [cast(item.partition("=")[2]) for item in value.split(",")]
+    except ValueError:
+        raise SystemExit(f"--{name} {value}: every ROLE=VALUE needs a {cast.__name__} value")
+
+
+def role_sampling(cfg, prefix=""):
+    """{role: Sampling} for the task's roles from the sampling flags (prefix "eval_": evaluation's),
+    each one value for every role or ROLE=VALUE,... (the roles it does not name: the preset's)."""
+    roles = task_roles(cfg)
+    values = {k: per_role(cfg, prefix + k, roles, CASTS[k], cfg["role_defaults"][prefix + k]) for k in SAMPLING}
+    return {r: Sampling(**{k: values[k][r] for k in SAMPLING}) for r in roles}
 
 
 def optimizer_steps_line(cfg):

@@ -2,9 +2,12 @@
 The multi-agent episode driver: AT-GRPO's tree rollouts for training, plain rollouts for the
 baselines and the held-out evaluation (with its statistics). The engines it calls are engines.py.
 
-    samples = tree_rollout(envs, agents, K, turns, sp)          # K candidates per node
-    samples, trajs = plain_rollout(envs, agents, K, turns, sp)  # K trajectories per env
-    res = evaluate(test_envs, agents, turns)                    # accuracy, 95% interval
+    samples = tree_rollout(envs, agents, K, turns, sampling)          # K candidates per node
+    samples, trajs = plain_rollout(envs, agents, K, turns, sampling)  # K trajectories per env
+    res = evaluate(test_envs, agents, turns, sampling)                # accuracy, 95% interval
+
+`sampling` maps each role to its Sampling (temperature, top-p, response budget, thinking): agents
+of one policy may sample differently, and each sample is trained at the temperature it was drawn at.
 
 One stage of one turn, as the method draws it (docs/method.md, "The tree"):
 
@@ -31,6 +34,20 @@ from engines import Completion
 # what a rollout produces
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one role samples."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    thinking: bool = False  # Qwen3's chat-template switch
+
+
+def every_role(**settings):
+    """The same Sampling for every role: {role: Sampling(**settings)} for any role asked."""
+    return defaultdict(lambda: Sampling(**settings))
+
+
 @dataclass
 class Sample:
     """One model call and what it earned: the unit the trainer groups and trains on."""
@@ -46,6 +63,7 @@ class Sample:
     local: float = 0.0
     team: float = 0.0
     formatted: bool = True  # False when the answer got the format penalty
+    temperature: float = 1.0  # the temperature it was sampled at (the trainer scores it at the same)
     adv: float = 0.0
     ret: float = 0.0     # --algo grpo: the agent's return over its trajectory
 
@@ -58,6 +76,7 @@ class Candidate:
     prompt_ids: list
     completion: Completion   # the sampled token ids and their log-probs
     text: str                # the decoded answer, what the env parses
+    temperature: float       # what it was sampled at
     local_alone: float = 0.0  # its local reward alone (a parallel stage's provisional pick)
     branch: object = None    # a copy of the env after this answer
     local: float = 0.0       # the agent's own reward on that branch
@@ -69,12 +88,11 @@ class Candidate:
 class Agents:
     """role -> (policy index, engine) plus the tokenizer: how a rollout reaches the models."""
 
-    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096, thinking=False):
+    def __init__(self, tokenizer, engines, role_to_policy, max_prompt_tokens=4096):
         self.tok = tokenizer
         self.engines = engines
         self.role_to_policy = role_to_policy
         self.max_prompt = max_prompt_tokens
-        self.thinking = thinking  # Qwen3's chat-template switch
         self._cache = {}
         self.seed_base = None  # sampling seeds: seed_base + 7 x call index (reproducible)
         self.calls = 0
@@ -83,10 +101,10 @@ class Agents:
         """Start a new series of per-call sampling seeds (a training step, an evaluation)."""
         self.seed_base, self.calls = seed, 0
 
-    def render(self, messages):
+    def render(self, messages, thinking=False):
         """Chat-template the observation and tokenize once; never re-tokenize sampled text."""
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                            enable_thinking=self.thinking)
+                                            enable_thinking=thinking)
         ids = self._cache.get(text)
         if ids is None:
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -98,14 +116,15 @@ class Agents:
             self._cache[text] = ids
         return ids
 
-    def generate(self, role, prompts, n, sp):
-        """n completions per prompt from the engine of `role`'s policy."""
+    def generate(self, role, prompts, n, sampling):
+        """n completions per prompt from the engine of `role`'s policy, sampled as `sampling` says."""
         engine = self.engines[self.role_to_policy[role]]
         seed = None
         if self.seed_base is not None:
             seed = self.seed_base + 7 * self.calls
             self.calls += 1
-        return engine.generate(prompts, n=n, seed=seed, **sp)
+        return engine.generate(prompts, n=n, seed=seed, temperature=sampling.temperature,
+                               top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens)
 
     def decode(self, completion):
         return self.tok.decode(completion.ids, skip_special_tokens=True)
@@ -115,35 +134,38 @@ class Agents:
 # the tree
 
 
-def tree_rollout(envs, agents, K, turns, sp, alpha=1.0, branch="greedy", rng=None, timer=None):
+def tree_rollout(envs, agents, K, turns, sampling, alpha=1.0, branch="greedy", rng=None,
+                 timer=None):
     """AT-GRPO tree sampling: at every (env, agent, turn) K candidates from the same state, each
-    scored on its own branch; the best branch continues. A turn runs the env's `stages` in order:
-    one agent per stage (sequential workflows) or several at once (parallel workflows, a team's
-    members). `envs` is updated in place to each env's final state. Returns every candidate as a
-    Sample."""
+    scored on its own branch; the best branch continues. Within a turn the env says who speaks next
+    (`env.speakers()`: one agent, several at once, or nobody when the turn is over); envs waiting for
+    the same speakers answer in one stage. `envs` is updated in place to each env's final state.
+    Returns every candidate as a Sample."""
     rng = rng or random.Random(0)
     timer = timer if timer is not None else {}
     sandbox.clear_cache()  # a program's result is reused within this rollout only
     samples = []
     for turn in range(turns):
-        live = [i for i, env in enumerate(envs) if not env.done]
-        if not live:
+        in_turn = [i for i, env in enumerate(envs) if not env.done]
+        if not in_turn:
             break
-        for stage in envs[live[0]].stages:
-            live = [i for i in live if not envs[i].done]
-            if not live:
+        while True:
+            waiting = [i for i in in_turn if not envs[i].done and envs[i].speakers()]
+            if not waiting:
                 break
-            samples += run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
-        with timed(timer, "env"):
-            pmap(end_turn, [envs[i] for i in live])
+            stage = envs[waiting[0]].speakers()
+            live = [i for i in waiting if envs[i].speakers() == stage]
+            samples += run_stage(envs, live, stage, turn, agents, K, sampling, alpha, branch, rng, timer)
+        with timed(timer, "env"):  # the envs whose turn is over (not those that ended inside it)
+            pmap(end_turn, [envs[i] for i in in_turn if not envs[i].speakers()])
     return samples
 
 
-def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer):
+def run_stage(envs, live, stage, turn, agents, K, sampling, alpha, branch, rng, timer):
     """The agents of `stage` answer the live envs, K candidates each; envs[i] becomes the state
     after the stage. rng is used by the random picks only, once per group in order: runs reproduce."""
     # 1. K candidates per (env, agent), all sampled from the stage-start state
-    groups = sample_groups(envs, live, stage, agents, K, sp, timer)  # (env, role) -> K candidates
+    groups = sample_groups(envs, live, stage, agents, K, sampling, timer)  # (env, role) -> K candidates
     candidates = [c for group in groups.values() for c in group]
     with timed(timer, "env"):
         # 2. several agents at once: each one's provisional best, by its local reward alone
@@ -184,17 +206,19 @@ def run_stage(envs, live, stage, turn, agents, K, sp, alpha, branch, rng, timer)
     return [to_sample(c, agents, turn) for c in candidates]
 
 
-def sample_groups(envs, live, stage, agents, K, sp, timer):
+def sample_groups(envs, live, stage, agents, K, sampling, timer):
     """K candidates per (env, agent) of the stage, from the stage-start state: one engine call per
     agent. The groups are in env-major order (env, then the stage's agents), the order picks and
     samples follow."""
     groups = {(i, role): [] for i in live for role in stage}
     for role in stage:
-        prompts = [agents.render(envs[i].observe(role)) for i in live]
+        how = sampling[role]
+        prompts = [agents.render(envs[i].observe(role), how.thinking) for i in live]
         with timed(timer, "gen"):
-            outputs = agents.generate(role, prompts, K, sp)
+            outputs = agents.generate(role, prompts, K, how)
         for i, prompt, completions in zip(live, prompts, outputs):
-            groups[i, role] = [Candidate(i, role, prompt, c, agents.decode(c)) for c in completions]
+            groups[i, role] = [Candidate(i, role, prompt, c, agents.decode(c), how.temperature)
+                               for c in completions]
     return groups
 
 
@@ -210,19 +234,20 @@ def to_sample(c, agents, turn, traj=0):
     return Sample(policy=agents.role_to_policy[c.role], env=c.env, role=c.role, turn=turn, traj=traj,
                   prompt_ids=c.prompt_ids, response_ids=c.completion.ids,
                   sampler_logprobs=c.completion.logprobs, reward=float(c.reward),
-                  local=float(c.local), team=float(c.team), formatted=c.formatted)
+                  local=float(c.local), team=float(c.team), formatted=c.formatted,
+                  temperature=c.temperature)
 
 
 def end_turn(env):
     env.end_turn()
 
 
-def plain_rollout(envs, agents, K, turns, sp, alpha=1.0, timer=None):
+def plain_rollout(envs, agents, K, turns, sampling, alpha=1.0, timer=None):
     """K independent trajectories per env (the grpo / dr_mas baselines, and evaluation with K=1):
     the tree driver with one candidate per node, on K copies of each env (trajectory k of env i is
     copy i*K + k). Returns (samples, the final envs as a list of K per env)."""
     copies = [env.clone() for env in envs for _ in range(K)]
-    samples = tree_rollout(copies, agents, 1, turns, sp, alpha, "greedy", None, timer)
+    samples = tree_rollout(copies, agents, 1, turns, sampling, alpha, "greedy", None, timer)
     for s in samples:
         s.env, s.traj = divmod(s.env, K)
     trajectories = [copies[i * K:(i + 1) * K] for i in range(len(envs))]
@@ -258,13 +283,11 @@ def pmap(fn, items):
 # held-out evaluation (train.py's monitor and eval.py): plain rollouts of a test set, statistics
 
 
-def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256, rank=0, world=1, seed=1234,
-             progress=False):
+def evaluate(test_envs, agents, turns, sampling, k=1, rank=0, world=1, seed=1234, progress=False):
     """Plain rollouts of every test env (this rank's shard), k samples each; results gathered over
     ranks. Accuracy = the fraction of instances whose episode ends in success; with k > 1 also avg@k
     and pass@k."""
     mine = list(range(rank, len(test_envs), world))
-    sp = dict(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
     old_seed = agents.seed_base
     agents.reseed(seed + rank)
     results = []  # (test index, its k outcomes, the turn each ended after)
@@ -278,7 +301,7 @@ def evaluate(test_envs, agents, turns, k=1, temperature=0.0, max_new_tokens=256,
         starts = tqdm(starts, desc="eval", unit="batch")
     for b in starts:
         idx = mine[b:b + batch]
-        samples, trajs = plain_rollout([test_envs[i].clone() for i in idx], agents, k, turns, sp)
+        samples, trajs = plain_rollout([test_envs[i].clone() for i in idx], agents, k, turns, sampling)
         for j, i in enumerate(idx):
             results.append((i, [bool(e.success) for e in trajs[j]], [e.turn for e in trajs[j]]))
         for s in samples:

@@ -53,7 +53,10 @@ class DefaultScript:
       coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
       tester     the row's first ground-truth tests as cases
       math tool  a program printing the answer (sometimes importing sympy first, as tool agents do)
-      reasoner   a short derivation ending in \\boxed{answer} (a team's judge answers the same way)
+      reasoner   a short derivation ending in \\boxed{answer} (a team's judge and a solver answer the same way)
+      verifier   approves the latest solution if its \\boxed{} answer is the row's, else rejects it
+      search     the search task's verifier, search and answer agents on a generated world: search the
+                 question's entity, then its link for a two-hop question, answer the value read
       games      a random move list in the answer format
     and, with the given probabilities, a wrong answer, a program that loops forever, or a hostile program."""
 
@@ -93,7 +96,9 @@ class DefaultScript:
     def __call__(self, text, rng):
         role = next((r for key, r in (("You are the coder", "coder"), ("You are the unit tester", "tester"),
                                       ("computes the answer", "math_tool"), ("You are the reasoning agent", "reasoner"),
-                                      ("You are the judge", "reasoner"))
+                                      ("You are the judge", "reasoner"), ("You are the Solver", "reasoner"),
+                                      ("Verifier of a multi-agent team", "verifier"),
+                                      ("of a search team", "search"))
                      if key in text), "game")
         u = rng.random()
         if role in ("coder", "math_tool") and u < self.p_loop:
@@ -101,6 +106,8 @@ class DefaultScript:
         if role in ("coder", "math_tool") and u < self.p_loop + self.p_hostile:
             return "```python\nimport os\nprint(open('/etc/hostname').read())\nos.remove('/tmp/x')\n```"
         wrong = u > 1 - self.p_wrong
+        if role == "search":
+            return _script_search(text, wrong)
         row = self._row(text)
         if role == "game":
             moves = [rng.choice("UDLR") for _ in range(rng.randint(1, 6))]
@@ -116,7 +123,31 @@ class DefaultScript:
             return f"```python\n{pre}print({ans!r})\n```"
         if role == "tester":
             return _script_tests(row, wrong)
+        if role == "verifier":
+            import envs as E
+            latest = text.rsplit('The output of "Solver":', 1)[-1].split('The output of "Verifier"')[0]
+            right = E.math_equal(row["answer"], E.last_boxed(latest))
+            return "<verify>" + ("approve" if right != wrong else "reject") + "</verify>"
         return "```python\n" + (_script_wrong(row) if wrong else _script_solution(row)) + "\n```"
+
+
+def _script_search(text, wrong):
+    """The search task on a generated world (full prompts): the entity in the question, its passage
+    'x>y=v' once searched, the link's for a two-hop question."""
+    import re
+    start = re.search(r"entity (?:linked to )?'(\w)'", text)
+    if start is None:
+        return "<verify>yes</verify>" if "Verifier" in text else "<answer>unknown</answer>"
+    start, two_hops = start.group(1), "linked to" in text
+    found = dict((x, (y, v)) for x, y, v in re.findall(r"(\w)>(\w)=(\d)", text.split("Searches so far", 1)[-1]))
+    need = found[start][0] if two_hops and start in found else start
+    if "You are the Verifier" in text:
+        enough = need in found and (not two_hops or start in found)
+        return "<verify>" + ("yes" if enough != wrong else "no") + "</verify>"
+    if "You are the Search agent" in text:
+        return f"<think>look it up</think><search>{need}</search>"
+    value = found[need][1] if need in found else "0"
+    return f"<think>read it</think><answer>{(int(value) + 1) % 10 if wrong else value}</answer>"
 
 
 def _script_solution(row):

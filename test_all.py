@@ -743,7 +743,7 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.decode(Agents(tok, [], {}).render(msgs)).endswith("<think>\n\n</think>\n\n")
-    assert not tok.decode(Agents(tok, [], {}, thinking=True).render(msgs)).endswith("</think>\n\n")
+    assert not tok.decode(Agents(tok, [], {}).render(msgs, thinking=True)).endswith("</think>\n\n")
     # two model folders whose context (256) is below the preset's 10240: clamped, the prompt budget with it
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     M.build_tiny(a, seed=1, max_position_embeddings=256)
@@ -2252,7 +2252,6 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
         )
     rows = G.make_rows(samples, pack=False)
     n_tok = sum(len(r.tgt) for r in rows)
-    tc = {"temperature": 1.0}
 
     def grads(groups, world):
         m.zero_grad()
@@ -2260,7 +2259,7 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
             b = G.collate(mb, torch.device("cpu"))
             if mb[0] is G.DUMMY:
                 b.w.zero_()
-            lp = T.row_logprobs(m, b, tc)
+            lp = T.row_logprobs(m, b)
             loss, _ = G.ppo_loss(lp, lp.detach() - 0.1, b.adv, b.w, n_tok)
             (loss * world / world).backward()  # world-scaled loss, then FSDP's average over `world` ranks
         return [p.grad.clone() for p in m.parameters()]
@@ -2297,12 +2296,14 @@ def test_packed_rows_equal_per_sample_rows(seed):
     m.init_weights(0.05)
     samples = _sibling_groups(seed, vocab=min(250, mc.vocab_size))
     plain, packed = G.make_rows(samples, False), G.make_rows(samples, True)
+    for s in samples:
+        s.temperature = 0.9  # sampled at 0.9: the trainer scores every target at 0.9
+    plain, packed = G.make_rows(samples, False), G.make_rows(samples, True)
     assert len(packed) < len(plain) and sum(len(r.ids) for r in packed) < sum(len(r.ids) for r in plain)
-    tc = {"temperature": 0.9}
 
     def per_sample_lp(rows):  # concatenated target log-probs in sample order
         b = G.collate(rows, torch.device("cpu"))
-        lp = T.row_logprobs(m, b, tc)
+        lp = T.row_logprobs(m, b)
         return torch.cat([lp[j, :len(r.tgt)] for j, r in enumerate(rows)])
     with torch.no_grad():
         a, b = per_sample_lp(plain), per_sample_lp(packed)
@@ -2312,7 +2313,7 @@ def test_packed_rows_equal_per_sample_rows(seed):
     for rows in (plain, packed):
         m.zero_grad()
         bt = G.collate(rows, torch.device("cpu"))
-        lp = T.row_logprobs(m, bt, tc)
+        lp = T.row_logprobs(m, bt)
         loss, _ = G.ppo_loss(lp, lp.detach() + 0.05, bt.adv, bt.w, float(bt.w.sum()), sampler_logp=bt.slp, tis_cap=2.0)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
@@ -2327,8 +2328,8 @@ def test_packed_rows_equal_per_sample_rows(seed):
         if sg == k:
             changed.ids[j] = (changed.ids[j] + 7) % min(250, mc.vocab_size)
     with torch.no_grad():
-        lp0 = T.row_logprobs(m, G.collate([grp], torch.device("cpu")), tc)[0]
-        lp1 = T.row_logprobs(m, G.collate([changed], torch.device("cpu")), tc)[0]
+        lp0 = T.row_logprobs(m, G.collate([grp], torch.device("cpu")))[0]
+        lp1 = T.row_logprobs(m, G.collate([changed], torch.device("cpu")))[0]
     sizes = [grp.seg.count(s) + 1 for s in range(1, max(grp.seg) + 1)]  # targets per sibling, in order
     lo = sum(sizes[:k - 1])
     others = torch.ones(len(grp.tgt), dtype=torch.bool)
@@ -2351,7 +2352,7 @@ def _packed_flex_vs_dense(device, grad, shape=PARITY_CONFIGS[1]):
         assert (type(b.attn).__name__ == "BlockMask") == flex
         m.zero_grad()
         with torch.set_grad_enabled(grad):
-            lp = T.row_logprobs(m, b, {"temperature": 1.0})
+            lp = T.row_logprobs(m, b)
             if grad:
                 (lp * b.w * b.adv).sum().backward()
         out.append((lp.detach() * b.w, [p.grad.clone() for p in m.parameters()] if grad else []))
@@ -2450,12 +2451,12 @@ def torch_agents(tiny_dir):
 
 
 def test_tree_invariants_sequential(torch_agents):
-    from rollout import tree_rollout
+    from rollout import every_role, tree_rollout
     K = 4
     start = [E.make_env("plan", seed=s, compact=True) for s in range(6)]
     envs = [e.clone() for e in start]
     samples = tree_rollout(
-        envs, torch_agents, K, 3, dict(temperature=1.0, top_p=1.0, max_new_tokens=6), rng=random.Random(0)
+        envs, torch_agents, K, 3, every_role(temperature=1.0, top_p=1.0, max_new_tokens=6), rng=random.Random(0)
     )
     groups = {}
     for s in samples:
@@ -2481,6 +2482,30 @@ def test_tree_invariants_sequential(torch_agents):
         assert start[i].pos == start[i].start  # the caller's envs were never stepped
 
 
+def test_roles_of_one_policy_sample_and_train_at_their_own_temperatures(tiny_dir, torch_agents):
+    """One shared policy plays the tool agent at temperature 0.5 and the plan agent at 1.6 (per-role
+    sampling settings): each sample carries the temperature it was drawn at, and the trainer's log-probs
+    of every sample equal the sampler's (fp32); scored at one temperature for both, they do not."""
+    import train as T
+    from rollout import Sampling, tree_rollout
+    sampling = {"tool": Sampling(temperature=0.5, max_new_tokens=6),
+                "plan": Sampling(temperature=1.6, max_new_tokens=6)}
+    envs = [E.make_env("plan", seed=s, compact=True) for s in range(4)]
+    samples = [s for s in tree_rollout(envs, torch_agents, 2, 2, sampling, rng=random.Random(0)) if s.response_ids]
+    assert {(s.role, s.temperature) for s in samples} == {("tool", 0.5), ("plan", 1.6)}
+    m = M.load_model(tiny_dir)
+
+    def gap(samples):
+        rows = G.make_rows(samples, pack=False)
+        with torch.no_grad():
+            lp = T.row_logprobs(m, G.collate(rows, torch.device("cpu")))
+        return max((lp[j, :len(r.tgt)] - torch.tensor(r.slp)).abs().max().item() for j, r in enumerate(rows))
+    assert gap(samples) < 1e-4
+    for s in samples:
+        s.temperature = 1.0  # one temperature for both roles: the tool's and the plan's log-probs are off
+    assert gap(samples) > 1e-2
+
+
 def _scripted_agents(tiny_dir, script):
     from transformers import AutoTokenizer
     from rollout import Agents
@@ -2498,7 +2523,7 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
     """A scripted math tree rollout (parallel workflow) against rewards computed by hand, including a looping tool
     program: each agent's candidates are scored on a branch where the other agent's provisional best (by local
     reward) is applied first."""
-    from rollout import tree_rollout
+    from rollout import every_role, tree_rollout
     from grpo_mas import compute_advantages
     monkeypatch.setattr(E, "TOOL_TIMEOUT", 1.0)
     row = {"question": "What is 2 + 3?", "answer": "5"}
@@ -2512,7 +2537,7 @@ def test_scripted_math_rollout_rewards_by_hand(tiny_dir, monkeypatch):
         return (tool if role == "tool" else reason)[(n[role] - 1) % 4]
     envs = [E.MathEnv(row)]
     samples = tree_rollout(
-        envs, _scripted_agents(tiny_dir, script), 4, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+        envs, _scripted_agents(tiny_dir, script), 4, 1, every_role(temperature=1.0, top_p=1.0, max_new_tokens=4000)
     )
     got = {r: [s.reward for s in samples if s.role == r] for r in ("tool", "reasoner")}
     # reasoner: local 0.2 boxed + 0.8 correct; team = reasoner correct (the tool's provisional best, print(5), applied
@@ -2561,7 +2586,7 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
     """AT-GRPO tree sampling of a 2+2+1 team (K=2): every instance is its own (env, role, turn) group; each member's
     candidates are scored with the other members' provisional best applied (team term: the plurality, by hand
     below); the judge sees the members' winners and its candidates are scored on its own answer."""
-    from rollout import tree_rollout
+    from rollout import every_role, tree_rollout
     from grpo_mas import compute_advantages
     answers = {"reasoner1": ["\\boxed{42}", "\\boxed{41}"], "reasoner2": ["\\boxed{41}", "I think 41"],
                "tool1": ["```python\nprint(42)\n```", "```python\nprint(41)\n```"],
@@ -2575,7 +2600,7 @@ def test_scripted_team_tree_rollout_by_hand(tiny_dir, monkeypatch):
         return answers[role][(len(calls) - 1) % 2]
     envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2)]
     samples = tree_rollout(
-        envs, _scripted_agents(tiny_dir, script), 2, 1, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+        envs, _scripted_agents(tiny_dir, script), 2, 1, every_role(temperature=1.0, top_p=1.0, max_new_tokens=4000)
     )
     got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
     # by hand: provisional bests r1 42, r2 \boxed{41}, t1 print(42), t2 print(42); team = the plurality is correct
@@ -2604,7 +2629,7 @@ def test_team_aggregate_mode_is_the_references_workflow(tiny_dir):
     """--team's default (mode aggregate), the reference's `math_aggretion`: one turn, then done; 1/0 rewards for the
     judge and the reasoners, a tool agent 1 if its program prints the answer, -1 if it has no program or it fails,
     else 0; no team term. The same scripted answers as the refine test above, by hand."""
-    from rollout import tree_rollout
+    from rollout import every_role, tree_rollout
     answers = {"reasoner1": ["\\boxed{42}", "\\boxed{41}"], "reasoner2": ["\\boxed{41}", "I think 41"],
                "tool1": ["```python\nprint(42)\n```", "```python\nprint(41)\n```"],
                "tool2": ["no code", "```python\nprint(42)\n```"], "judge": ["\\boxed{41}", "\\boxed{42}"]}
@@ -2615,7 +2640,7 @@ def test_team_aggregate_mode_is_the_references_workflow(tiny_dir):
         return answers[order[len(calls) - 1]][(len(calls) - 1) % 2]
     envs = [E.TeamMathEnv({"question": "What is 6 x 7?", "answer": "42"}, 2, 2, mode="aggregate")]
     samples = tree_rollout(
-        envs, _scripted_agents(tiny_dir, script), 2, 4, dict(temperature=1.0, top_p=1.0, max_new_tokens=4000)
+        envs, _scripted_agents(tiny_dir, script), 2, 4, every_role(temperature=1.0, top_p=1.0, max_new_tokens=4000)
     )
     got = {r: [s.reward for s in samples if s.role == r] for r in E.team_roles(2, 2)}
     assert got == {"reasoner1": [1.0, 0.0], "reasoner2": [0.0, 0.0], "tool1": [1.0, 0.0], "tool2": [-1.0, 1.0],
@@ -2627,7 +2652,7 @@ def test_team_aggregate_mode_is_the_references_workflow(tiny_dir):
 def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
     """The default script with no wrong answers: the coder's reference solution and the tester's ground-truth cases
     agree, so the episode succeeds and ends after one turn, for a stdio, a functional and an assert-style row."""
-    from rollout import tree_rollout
+    from rollout import every_role, tree_rollout
     from scripted import DefaultScript
     rows = [
         next(r for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == tt)
@@ -2639,7 +2664,7 @@ def test_scripted_code_rollout_correct_coder_and_tester_succeed(tiny_dir):
     ]
     envs = [E.CodeEnv(r, train_tests=5) for r in rows]
     agents = _scripted_agents(tiny_dir, DefaultScript(p_wrong=0, p_loop=0, p_hostile=0))
-    samples = tree_rollout(envs, agents, 2, 2, dict(temperature=1.0, top_p=1.0, max_new_tokens=100000))
+    samples = tree_rollout(envs, agents, 2, 2, every_role(temperature=1.0, top_p=1.0, max_new_tokens=100000))
     assert all(e.success and e.done and e.turn == 1 for e in envs), [(e.success, e.done, e.history) for e in envs]
     # local 1 + team (GT pass rate) 1
     assert [s.reward for s in samples if s.role == "coder"] == pytest.approx([2.0] * 6)
@@ -2973,6 +2998,26 @@ def test_bad_flags_fail_fast(tmp_path):
         assert tiny.base_path(cfg) != old
     finally:
         tiny.TINY_VERSION -= 1
+
+
+def test_per_role_sampling_flags_resolve_per_role():
+    """--temperature, --top_p, --max_new_tokens and --thinking (and their eval_ twins) take one value or
+    ROLE=VALUE,...; the roles not named keep the preset's; the resolved values are in the run's config
+    (config.json); a bad value stops before loading."""
+    import train as T
+    cfg = T.configure(["--temperature", "tool=0.5", "--max_new_tokens", "plan=6", "--thinking", "plan=true",
+                       "--eval_temperature", "plan=0.3"])
+    assert cfg["role_sampling"] == {
+        "tool": dict(temperature=0.5, top_p=1.0, max_new_tokens=8, thinking=False),
+        "plan": dict(temperature=0.7, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny: 0.7 and 8
+    assert cfg["max_new_tokens"] == 8  # the longest role's budget: the engine's and the memory plan's
+    assert P.role_sampling(cfg, "eval_")["plan"].temperature == 0.3
+    for argv, msg in [(["--temperature", "tool=0"], "--temperature 0.0: use above 0"),
+                      (["--temperature", "chess=1.0"], "has no role 'chess'"),
+                      (["--thinking", "tool=maybe"], "'maybe' is not a bool"),
+                      (["--top_p", "plan=0.9"], "top_p must be 1.0")]:
+        with pytest.raises(SystemExit, match=msg):
+            T.configure(argv)
 
 
 def test_bad_input_exits_with_one_line_before_anything_loads():
@@ -3451,6 +3496,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 import eval as V
 import rollout as R
+
+GREEDY8 = R.every_role(temperature=0.0, max_new_tokens=8)
 from tools import runs as RUNS
 
 
@@ -3578,17 +3625,15 @@ def test_every_shipped_test_set_runs(task, tiny_dir, torch_agents):
     for f in E.TASKS[task]["test"]:
         envs_ = E.test_set(task, files=[f], limit=2)
         assert len(envs_) == 2
-        res = R.evaluate(envs_, torch_agents, turns=2, k=1, temperature=0.0, max_new_tokens=8)
+        res = R.evaluate(envs_, torch_agents, 2, GREEDY8, k=1)
         assert res["n"] == 2 and 0.0 <= res["accuracy"] <= 1.0
 
 
 def test_games_test_sets_run(torch_agents):
     for task in ("plan", "sokoban", "sudoku"):
         for wf in ("mas", "single"):
-            res = R.evaluate(E.test_set(task, workflow=wf, compact=True, limit=4), torch_agents, 2, max_new_tokens=8)
-            assert res["n"] == 4 and set(res["per_role"]) == set(
-                E.TASKS[task]["roles"] if wf == "mas" else [E.TASKS[task]["single"]]
-            )
+            res = R.evaluate(E.test_set(task, workflow=wf, compact=True, limit=4), torch_agents, 2, GREEDY8)
+            assert res["n"] == 4 and set(res["per_role"]) == set(E.task_roles(task, wf))
 
 
 def test_eval_counts_distinct_first_answers(tiny_dir):
@@ -3597,7 +3642,7 @@ def test_eval_counts_distinct_first_answers(tiny_dir):
     many answers as the test finds distinct (vertical, horizontal) directions among the instances itself. And each
     instance's outcome (`per_instance`) is the one it gets when played alone."""
     envs_ = E.test_set("plan", compact=True, limit=12)
-    res = R.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), turns=2, max_new_tokens=8)
+    res = R.evaluate(envs_, _scripted_agents(tiny_dir, lambda text, rng: "DR"), 2, GREEDY8)
     assert {r: (v["distinct_first_answers"], v["instances"]) for r, v in res["per_role"].items()} == {
         "tool": (1, 12),
         "plan": (1, 12),
@@ -3614,12 +3659,12 @@ def test_eval_counts_distinct_first_answers(tiny_dir):
             for e in envs_
         }
     )
-    res = R.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)
+    res = R.evaluate(envs_, _scripted_agents(tiny_dir, toward_goal), 2, GREEDY8)
     assert want > 2 and res["per_role"]["tool"]["distinct_first_answers"] == want
     assert f"| {want} of 12 |" in V.markdown(res, "t")  # the report's column
     # each instance's outcome, in test-set order: as each instance played alone
     alone = [
-        R.evaluate([e], _scripted_agents(tiny_dir, toward_goal), turns=2, max_new_tokens=8)["per_instance"][0]
+        R.evaluate([e], _scripted_agents(tiny_dir, toward_goal), 2, GREEDY8)["per_instance"][0]
         for e in envs_
     ]
     assert (

@@ -54,17 +54,20 @@ def build_base(path, cfg, size="tiny"):
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     m = M.build_tiny(tmp, seed=cfg["seed"], size=size)
-    if task in ("plan", "sokoban", "sudoku") and cfg["warmup_steps"] > 0:
+    if task in E.GENERATED and cfg["warmup_steps"] > 0:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tmp)
         rng = random.Random(cfg["seed"])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
         agents = Agents(tok, [], {})
-        roles = E.TASKS[task]["roles"]
+        roles = E.task_roles(task)
         end = [tok.convert_tokens_to_ids("<|im_end|>")]
         for it in range(cfg["warmup_steps"]):
             batch = []
             for _ in range(32):
+                if task == "search":
+                    batch.append(search_warmup_pair(tok, agents, rng, end))
+                    continue
                 env = E.train_env(task, rng, compact=True)
                 role = rng.choice(roles)
                 if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
@@ -113,6 +116,27 @@ def random_answer(task, rng, max_moves=4, game=None):
             out, state = out + a, ok[a]
         return out or rng.choice("UDLR")
     return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
+
+
+def search_warmup_pair(tok, agents, rng, end):
+    """(prompt ids, answer ids) of the search workflow: a generated question played for a random
+    number of calls with random well-formed answers, then the next speaker's observation and a random
+    well-formed answer of its role (y or n; a letter; a digit): the format, never the world's facts."""
+    answers = {"verifier": lambda: rng.choice("yn"), "search": lambda: rng.choice("abcdefghijklmnopqrstuvwxyz"),
+               "answer": lambda: str(rng.randrange(10))}
+    while True:
+        env = E.train_env("search", rng, compact=True, search=dict(topk=1))
+        for _ in range(rng.randrange(6)):
+            if env.done:
+                break
+            if not env.speakers():
+                env.end_turn()
+                continue
+            role = env.speakers()[0]
+            env.step(role, answers[role]())
+        if not env.done and env.speakers():
+            role = env.speakers()[0]
+            return agents.render(env.observe(role)), tok.encode(answers[role](), add_special_tokens=False) + end
 
 
 def sft_step(m, opt, batch):

@@ -42,20 +42,21 @@ import envs as E
 import memory
 import model as M
 import policies as P
+import retrieval
 import sandbox
 import tiny
 from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, make_rows,
-                      micro_batches, ppo_loss, split_minibatches, trajectory_returns)
-from rollout import Agents, evaluate, plain_rollout, tree_rollout
+                      micro_batches, outcome_rewards, ppo_loss, split_minibatches, trajectory_returns)
+from rollout import Agents, Sampling, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
 # config: every global below is a flag (--name value or --name=value)
 # the run
-task = "plan"              # plan | sokoban | sudoku | code | math
+task = "plan"              # plan | sokoban | sudoku | code | math | search
 model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact games
 preset = ""                # a key of PRESETS; "" = paper with --model, else tiny (per task)
 algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and scope (grpo_mas.py)
-workflow = "mas"           # mas: every agent; single: the plan agent / coder / reasoner alone
+workflow = "mas"           # mas: every agent; single: one agent alone; math: solver_verifier too
 policies = "shared"        # shared | per_role | per_type | lora: who shares a policy
 team = ""                  # --task math: "N,M" = N reasoners and M tool agents, then a judge
 team_mode = "aggregate"    # --team: aggregate (one turn, the reference's) | refine
@@ -74,9 +75,15 @@ nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
+search_train = ""          # --task search: questions (jsonl, Search-R1's or HotpotQA's format); "" = generated
+search_test = ""           # --task search: held-out questions (same formats); "" = generated
+retriever = ""             # --task search: bm25:CORPUS.jsonl | http://HOST:8000/retrieve | "" (own passages)
+search_metric = "em"       # --task search: the answer's reward, em (exact match) | f1
 # the method
 K = 4                      # candidates per (agent, turn) node, or trajectories per env
 alpha = 1.0                # weight of the team reward in every call's reward
+reward = "immediate"       # immediate: each call's alpha*team + local; outcome: the episode's (Dr. MAS)
+invalid_penalty = 0.1      # --reward outcome: minus this for an ill-formed answer (Dr. MAS: 0.1 math)
 branch = "greedy"          # greedy: the best branch continues; random (an ablation)
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
@@ -86,7 +93,7 @@ entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (pap
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
 std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the std
 top_p = 1.0                # 1.0: the sampler's log-probs are the trainer's full-softmax log-probs
-thinking = False           # Qwen3's chat-template thinking switch
+thinking = False           # Qwen3's chat-template thinking switch (per role: tool=true,plan=false)
 lora_rank = 16             # --policies lora: adapter rank r (every linear of every layer)
 lora_alpha = 32.0          # --policies lora: adapter scale alpha / r
 weight_decay = 0.01        # AdamW's decoupled weight decay
@@ -106,8 +113,8 @@ lora_lr_mult = 1.0         # --policies lora without --lr: this x the preset's l
 lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr
 scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batch: / the step's std
 batch_std_steps = 0        # with --scale_rewards group: the first N steps use the step's std
-temperature = 0.6          # training temperature (the trainer divides its logits by it too)
-max_new_tokens = 2048      # response tokens per call (tiny: the compact answer)
+temperature = 0.6          # training temperature, per role too; each sample is trained at its own
+max_new_tokens = 2048      # response tokens per call, per role too (tiny: the compact answer)
 max_prompt_tokens = 8192   # prompt tokens per call (head and tail kept)
 max_model_len = 10240      # engine context (clamped to the model's)
 micro_batch_tokens = 16384 # padded tokens per micro-batch; per role: tool=8192,plan=16384
@@ -117,12 +124,15 @@ eval_k = 1                 # eval.py: samples per instance (k > 1: avg@k and pas
 eval_temperature = 0.0     # eval.py: sampling temperature (0 = greedy)
 eval_turns = 3             # eval.py: max turns per episode (the reference's evaluation scripts)
 eval_max_new_tokens = 8192 # eval.py: response tokens per call
+eval_top_p = 1.0           # eval.py: nucleus sampling's top-p
+eval_thinking = False      # eval.py: Qwen3's thinking switch
 ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
 time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
 warmup_steps = 0           # tiny only: format warm-up steps (valid answers, no solutions)
 warmup_moves = 0           # tiny only: warm-up answers of 1..N moves (Sudoku: fills)
 grad_checkpoint = True     # activation checkpointing per decoder layer
 tis_cap = 2.0              # truncated IS: loss x min(exp(old - sampler logp), C); 0 = off
+search_topk = 3            # --task search: passages per search
 gpu_memory_utilization = 0.5  # vLLM's share of each GPU while awake
 
 # PRESETS: each preset's values where it differs from the recipe above (gpt-fast's named configs).
@@ -141,22 +151,28 @@ PRESETS = {
     "paper-math": dict(max_new_tokens=8192, max_model_len=16384,
                        eval_turns=5, eval_k=4, eval_temperature=0.6),
     "paper-code": dict(max_new_tokens=4096, max_model_len=12288, eval_turns=5),
+    "paper-search": dict(turns=4, max_new_tokens=800, max_prompt_tokens=4096, max_model_len=4896,
+                         eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
                     "warmup_moves": 16},
+    "tiny-search": {**TINY, "max_new_tokens": 3, "eval_max_new_tokens": 3, "search_topk": 1,
+                    "warmup_moves": 1},
 }
 CHOICES = {
     "task": list(E.TASKS),
     "preset": ["", *PRESETS],
     "algo": ["at_grpo", "grpo", "dr_mas"],
-    "workflow": ["mas", "single"],
+    "workflow": E.WORKFLOWS,
     "policies": ["shared", "per_role", "per_type", "lora"],
     "team_mode": ["aggregate", "refine"],
     "engine": ["vllm", "torch", "scripted"],
     "branch": ["greedy", "random"],
     "scale_rewards": list(SCALES),
+    "reward": ["immediate", "outcome"],
+    "search_metric": ["em", "f1"],
     "split": ["strided", "groups"],
 }
 FLAGS = {k: v for k, v in globals().items()
@@ -171,7 +187,7 @@ def configure(argv):
     on top, and every check that can run before anything loads. Returns the cfg dict (printed at the
     start, saved as config.json)."""
     cfg = dict(FLAGS)
-    given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE, repeatable=("policy",),
+    given = C.parse_flags(argv, cfg, CHOICES, per_role=P.PER_ROLE_FLAGS, repeatable=("policy",),
                           help_text=help_text())
     if not cfg["preset"]:
         cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg))
@@ -180,7 +196,7 @@ def configure(argv):
         if k not in given:
             cfg[k] = v
     # a per-role flag's value for the roles it does not name: the preset's
-    cfg["role_defaults"] = {k: overrides.get(k, FLAGS[k]) for k in P.PER_ROLE}
+    cfg["role_defaults"] = {k: overrides.get(k, FLAGS[k]) for k in P.PER_ROLE_FLAGS}
     # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
     if cfg["policies"] == "lora":
         cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]
@@ -190,17 +206,29 @@ def configure(argv):
         cfg["split"] = "groups"
     check(cfg, given)
     context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
-    budgets = cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"]
-    cfg["max_model_len"], cfg["max_prompt_tokens"], cfg["max_new_tokens"] = C.fit_context(*budgets, context)
+    fit_sampling(cfg, "", context)
     return cfg
+
+
+def fit_sampling(cfg, prefix, context):
+    """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
+    response budget and the engine's context fitted to the model's context (common.fit_context);
+    the flag max_new_tokens becomes the largest role's budget (the memory plan's)."""
+    sampling = P.role_sampling(cfg, prefix)
+    longest = max(s.max_new_tokens for s in sampling.values())
+    cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = C.fit_context(
+        cfg["max_model_len"], cfg["max_prompt_tokens"], longest, context)
+    cfg[prefix + "max_new_tokens"] = fitted
+    key = "role_eval_sampling" if prefix else "role_sampling"
+    cfg[key] = {r: dict(vars(s), max_new_tokens=min(s.max_new_tokens, fitted)) for r, s in sampling.items()}
 
 
 def default_preset(task, tiny):
     """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku)
     without."""
     if tiny:
-        return {"sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku"}.get(task, "tiny")
-    return {"math": "paper-math", "code": "paper-code"}.get(task, "paper")
+        return {"sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku", "search": "tiny-search"}.get(task, "tiny")
+    return {"math": "paper-math", "code": "paper-code", "search": "paper-search"}.get(task, "paper")
 
 
 def help_text():
@@ -243,6 +271,8 @@ BOUNDS = [
     ("entropy_coef", lambda v: v >= 0, "0 (off) or a positive weight"),
     ("tis_cap", lambda v: v == 0 or v >= 1, "0 (off) or a cap of at least 1 (trl's default is 2)"),
     ("alpha", lambda v: v >= 0, "at least 0 (the weight of the team reward)"),
+    ("invalid_penalty", lambda v: v >= 0, "at least 0"),
+    ("search_topk", lambda v: v >= 1, "at least 1 passage per search"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
     ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
     ("test_timeout", lambda v: v > 0, "above 0 seconds"),
@@ -255,9 +285,34 @@ BOUNDS = [
 def check(cfg, given):
     """Every misuse that can be named before anything loads, each with the flag to change."""
     for name, holds, instead in BOUNDS:
-        if not holds(cfg[name]):
-            raise SystemExit(f"--{name} {cfg[name]}: use {instead}")
-    E.check_task(cfg["task"], cfg["workflow"])
+        for value in P.flag_values(cfg, name):
+            if not holds(value):
+                raise SystemExit(f"--{name} {value}: use {instead}")
+    try:
+        E.check_task(cfg["task"], cfg["workflow"])
+    except ValueError as e:
+        raise SystemExit(str(e))
+    if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
+        raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's losing "
+                         "branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores each call)")
+    searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
+    if searching and cfg["task"] != "search":
+        raise SystemExit(f"--{searching[0]} is for --task search")
+    for k in ("search_train", "search_test"):
+        if cfg[k] and not os.path.isfile(cfg[k]):
+            raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or HotpotQA's)")
+        if cfg[k] and not cfg["retriever"]:
+            try:
+                rows = retrieval.load_questions(cfg[k])
+            except ValueError as e:
+                raise SystemExit(str(e))
+            if any(row["passages"] is None for row in rows):
+                raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give them a "
+                                 "corpus, --retriever bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
+    if cfg["retriever"].startswith("bm25:") and not os.path.isfile(cfg["retriever"][5:]):
+        raise SystemExit(f"--retriever {cfg['retriever']}: no such corpus file (Search-R1's jsonl: id, contents)")
+    if cfg["retriever"] and not cfg["retriever"].startswith(("bm25:", "http://", "https://")):
+        raise SystemExit(f"--retriever {cfg['retriever']!r}: use bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
     pols, _ = P.resolve(cfg)  # every role and policy misuse
     tiny_run = P.is_tiny(cfg)
     if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
@@ -275,9 +330,10 @@ def check(cfg, given):
     if "batch_std_steps" in given and cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
         raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with "
                          f"--scale_rewards group (not {cfg['scale_rewards']}), or drop --batch_std_steps")
-    if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= cfg["max_new_tokens"] - 1:
+    budget = min(P.flag_values(cfg, "max_new_tokens"))
+    if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:
         raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, --max_new_tokens - 1 = "
-                         f"{cfg['max_new_tokens'] - 1}]: a warm-up answer and its end of turn must fit the "
+                         f"{budget - 1}]: a warm-up answer and its end of turn must fit the "
                          "response budget")
     if tiny_run and cfg["task"] == "sudoku" and not 1 <= cfg["warmup_moves"] <= 16:
         raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, 16]: Sudoku's warm-up "
@@ -304,7 +360,7 @@ def check(cfg, given):
                              f"{torch.version.cuda}) cannot use them: install a driver that serves that CUDA "
                              "version, or a torch build for this driver, until python -c 'import torch; "
                              "print(torch.cuda.is_available())' says True")
-    if cfg["top_p"] != 1.0:  # vLLM's processed log-probs are renormalised over the nucleus
+    if P.flag_values(cfg, "top_p") != [1.0]:  # vLLM's processed log-probs are renormalised over the nucleus
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the trainer's "
                          "full softmax")
     if cfg["resume"] and not os.path.exists(os.path.join(cfg["out_dir"], "ckpt", "state.pt")):
@@ -335,16 +391,15 @@ class UpdateStats:
     opt_steps: int = 0
 
 
-def row_logprobs(model, b, cfg):
-    """Per-token log-probs [B, T] of a collated batch, at the training temperature."""
-    return model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn,
-                 select=b.sel)
+def row_logprobs(model, b):
+    """Per-token log-probs [B, T] of a collated batch, each at the temperature it was sampled at."""
+    return model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn, select=b.sel)
 
 
-def row_logprobs_entropy(model, b, cfg):
+def row_logprobs_entropy(model, b):
     """(log-probs, full-vocabulary entropies), [B, T] each."""
-    out = model(b.ids, targets=b.tgt, temperature=cfg["temperature"], position_ids=b.pos, mask=b.attn,
-                select=b.sel, entropy=True)
+    out = model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn, select=b.sel,
+                entropy=True)
     return out[..., 0], out[..., 1]
 
 
@@ -365,7 +420,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             for chunk in chunks:
                 for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
                     # FSDP2 computes in bf16 on GPU
-                    logps = row_logprobs(model, collate(mb, device), cfg)
+                    logps = row_logprobs(model, collate(mb, device))
                     for row, logp in zip(mb, logps):
                         if row is not DUMMY:
                             row.old = logp[:len(row.tgt)]
@@ -378,14 +433,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             b = collate(mb, device)
             entropy = None
             if cfg["entropy_coef"]:
-                logp, entropy = row_logprobs_entropy(model, b, cfg)
+                logp, entropy = row_logprobs_entropy(model, b)
             else:
-                logp = row_logprobs(model, b, cfg)
+                logp = row_logprobs(model, b)
             old = logp.detach() if b.old is None else b.old
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
-                    ref_logp = row_logprobs(ref, b, cfg)
+                    ref_logp = row_logprobs(ref, b)
             loss, st = ppo_loss(logp, old, b.adv, b.w, n_tokens, cfg["eps_low"], cfg["eps_high"],
                                 cfg["dual_clip"], ref_logp, cfg["kl_coef"], sampler_logp=b.slp,
                                 tis_cap=cfg["tis_cap"], entropy=entropy, entropy_coef=cfg["entropy_coef"])
@@ -438,9 +493,13 @@ class StepStats:
     response_tokens: int
     formatted: int       # samples whose answer parsed
     rewards: dict        # mean reward per role and per role@turn (grpo_mas.by_agent_turn)
+    calls: dict          # model calls per role (agents may speak a different number of times)
+    tokens: dict         # response tokens per role
     zero_var_frac: float
     group_size: float
     timeouts: int        # sandbox programs killed at their time limit
+    search_calls: int    # retrievals run, and failed (a failed search is shown to the agent as failed)
+    search_failures: int
     mem: dict            # CUDA: the allocator's peak per phase, GiB
 
 
@@ -461,9 +520,17 @@ def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
            "resp_tokens": sum(r.response_tokens for r in ranks),
            "lr_factor": lr_factor(cfg, step),
            "timeouts": sum(r.timeouts for r in ranks)}
+    if cfg["task"] == "search":
+        rec["search_calls"] = sum(r.search_calls for r in ranks)
+        rec["search_failures"] = sum(r.search_failures for r in ranks)
+        if rec["search_failures"] and master:
+            print(f"warning: {rec['search_failures']} of {rec['search_calls']} searches failed this step "
+                  "(the agents saw them as failed; is the retriever up?)", flush=True)
     for role in roles:
         vals = [r.rewards[role] for r in ranks if role in r.rewards]
         rec[f"reward_{role}"] = sum(vals) / max(1, len(vals))
+        rec[f"calls_{role}"] = sum(r.calls.get(role, 0) for r in ranks)
+        rec[f"tokens_{role}"] = sum(r.tokens.get(role, 0) for r in ranks)
     rec["zero_var_frac"] = sum(r.zero_var_frac for r in ranks) / world
     rec["group_size"] = sum(r.group_size for r in ranks) / world
     summed = ("tokens", "clip_tokens", "clamped_tokens", "dlogp", "kl_sum", "entropy_sum", "trained_tokens")
@@ -496,9 +563,23 @@ def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
     return rec
 
 
+def calls_per_role(samples):
+    calls = {}
+    for s in samples:
+        calls[s.role] = calls.get(s.role, 0) + 1
+    return calls
+
+
+def tokens_per_role(samples):
+    tokens = {}
+    for s in samples:
+        tokens[s.role] = tokens.get(s.role, 0) + len(s.response_ids)
+    return tokens
+
+
 def step_line(rec, roles, n_policies, eta):
     """The one printed line per step."""
-    rewards = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f}" for r in roles)
+    rewards = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f} ({rec[f'calls_{r}']})" for r in roles)
     per_policy = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} "
                           f"|dlogp| {rec[f'dlogp_p{p}']:.1e}" for p in range(n_policies))
     line = (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rewards} | fmt {rec['format_ok']:.2f} "
@@ -527,6 +608,8 @@ def main(argv):
         recipe = ", ".join(f"{k} {cfg[k]}" for k in TINY)
         print(f"config: preset {cfg['preset']}; {recipe}", flush=True)
         print(P.optimizer_steps_line(cfg), flush=True)
+        print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in s.items())
+                                       for r, s in cfg["role_sampling"].items()), flush=True)
     if master and P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")
@@ -546,19 +629,20 @@ def main(argv):
     E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks
         sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
-    agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"],
-                    thinking=cfg["thinking"])
-    compact = P.is_tiny(cfg) and cfg["task"] in ("plan", "sokoban", "sudoku")
+    agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"])
+    compact = P.is_tiny(cfg) and cfg["task"] in E.GENERATED
     team = P.parse_team(cfg)
+    search = search_settings(cfg)  # --task search: the retriever (a server is asked once here)
     rows = None
-    if cfg["task"] in ("code", "math"):
-        rows = E.load_split(cfg["task"], "train")
+    if cfg["task"] in ("code", "math") or cfg["search_train"]:
+        rows = E.load_split(cfg["task"], "train", [cfg["search_train"]] if cfg["search_train"] else None)
+    test_files = [cfg["search_test"]] if cfg["search_test"] else None
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=compact, workflow=cfg["workflow"],
-                           limit=cfg["eval_n"], team=team)
+                           files=test_files, limit=cfg["eval_n"], team=team, turns=cfg["turns"],
+                           search=search)
     log = MetricsLog(cfg, master)
     roles = P.task_roles(cfg)
-    sampling = dict(temperature=cfg["temperature"], top_p=cfg["top_p"],
-                    max_new_tokens=cfg["max_new_tokens"])
+    sampling = {r: Sampling(**s) for r, s in cfg["role_sampling"].items()}
     envs_per_rank = cfg["envs_per_step"] // world
     t_process = time.time()
     t_run = t_process - start.time_before  # the run's clock counts across resumes
@@ -572,10 +656,12 @@ def main(argv):
         t0 = time.time()
         timer = {}  # seconds of generation ("gen") and env scoring ("env")
         timeouts_before = sandbox.stats["timeouts"]
+        searches_before = dict(retrieval.stats)
 
         # --- rollout: this rank's share of the step's fresh envs
         rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
-        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team)
+        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team, turns=cfg["turns"],
+                            search=search)
                 for _ in range(envs_per_rank)]
         agents.reseed(step_seed(cfg["seed"], step, rank))
         if cfg["algo"] == "at_grpo":  # K candidates per (agent, turn), the best branch continues
@@ -585,6 +671,8 @@ def main(argv):
         else:  # K independent trajectories per env
             samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling,
                                            cfg["alpha"], timer)
+            if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
+                outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
             trajectory_returns(samples)
             success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
 
@@ -624,9 +712,12 @@ def main(argv):
                                loss=sum(u.loss for u in updates),
                                response_tokens=sum(len(s.response_ids) for s in samples),
                                formatted=sum(s.formatted for s in samples),
-                               rewards=by_agent_turn(samples),
+                               rewards=by_agent_turn(samples), calls=calls_per_role(samples),
+                               tokens=tokens_per_role(samples),
                                zero_var_frac=group_stats.zero_var_frac, group_size=group_stats.group_size,
-                               timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem)
+                               timeouts=sandbox.stats["timeouts"] - timeouts_before, mem=mem,
+                               search_calls=retrieval.stats["calls"] - searches_before["calls"],
+                               search_failures=retrieval.stats["failures"] - searches_before["failures"])
         rec = step_record(cfg, step, roles, step_stats, updates, opts, dlogp_hist, master)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
                    t_sync=t3 - t2, t_step=t3 - t0, time=time.time() - t_run)
@@ -656,11 +747,25 @@ def main(argv):
         C.close_dist()
 
 
+def search_settings(cfg):
+    """--task search: passages per search, the retriever (None: each question's own passages: the
+    generated worlds, HotpotQA's context), the answer's metric. A retrieval server is asked once here."""
+    if cfg["task"] != "search":
+        return None
+    retriever = None
+    if cfg["retriever"].startswith("bm25:"):
+        retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+    elif cfg["retriever"]:
+        retriever = retrieval.HttpRetriever(cfg["retriever"])
+        retriever.check()
+    return dict(topk=cfg["search_topk"], retriever=retriever, metric=cfg["search_metric"])
+
+
 def held_out(test_envs, agents, cfg, step, rank, world, master):
     """The in-run monitor: greedy plain rollouts of the held-out set (eval.py gives the paper's
     protocol)."""
-    res = evaluate(test_envs, agents, cfg["turns"], k=1, temperature=0.0,
-                   max_new_tokens=cfg["max_new_tokens"], rank=rank, world=world)
+    greedy = {r: Sampling(**dict(s, temperature=0.0)) for r, s in cfg["role_sampling"].items()}
+    res = evaluate(test_envs, agents, cfg["turns"], greedy, k=1, rank=rank, world=world)
     if master:
         print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
               f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")

@@ -30,13 +30,13 @@ def table(envs, solved):
 
 def main(path, n=200):
     from transformers import AutoTokenizer
-    from eval import evaluate
     from policies import make_engine
-    from rollout import Agents
+    from rollout import Agents, evaluate, every_role
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
     envs = E.test_set("sokoban", n=n, compact=True, workflow="mas")
-    res = evaluate(envs, agents, turns=4, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sokoban"])  # plays clones of envs
+    greedy = every_role(temperature=0.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sokoban"])
+    res = evaluate(envs, agents, 4, greedy)  # plays clones of envs
     rows = table(envs, [x[0] for x in res["per_instance"]])
     print(f"{path}: greedy, 4 turns, {n} test rooms, held-out success {res['accuracy']:.3f}")
     print("| shortest solution (moves) | rooms | solved |\n|---|---|---|")

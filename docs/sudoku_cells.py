@@ -40,13 +40,13 @@ def cell_counts(env, answer):
 def main(path, n=200):
     from transformers import AutoTokenizer
     from policies import make_engine
-    from rollout import Agents
+    from rollout import Agents, every_role
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
-    sp = dict(temperature=0.0, top_p=1.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sudoku"])
+    sp = every_role(temperature=0.0, top_p=1.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sudoku"])
 
     def answer(role, envs):
-        outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp)
+        outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp[role])
         return [agents.decode(o[0]) for o in outs]
 
     envs = E.test_set("sudoku", n=n, compact=True, workflow="mas")  # fresh instances: the tool's step may change them
