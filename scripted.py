@@ -106,7 +106,7 @@ class DefaultScript:
         if role in ("coder", "math_tool") and u < self.p_loop + self.p_hostile:
             return "```python\nimport os\nprint(open('/etc/hostname').read())\nos.remove('/tmp/x')\n```"
         wrong = u > 1 - self.p_wrong
-        if role == "search":
+        if role == "search" or "\nq:" in text:
             return _script_search(text, wrong)
         row = self._row(text)
         if role == "game":
@@ -135,19 +135,24 @@ def _script_search(text, wrong):
     """The search task on a generated world (full prompts): the entity in the question, its passage
     'x>y=v' once searched, the link's for a two-hop question."""
     import re
-    start = re.search(r"entity (?:linked to )?'(\w)'", text)
+    compact = re.search(r"q:(\w)(>?)=\?", text)  # the tiny model's prompts: "q:a>=?", passages "a>c=5"
+    start = compact or re.search(r"entity (?:linked to )?'(\w)'", text)
     if start is None:
         return "<verify>yes</verify>" if "Verifier" in text else "<answer>unknown</answer>"
-    start, two_hops = start.group(1), "linked to" in text
-    found = dict((x, (y, v)) for x, y, v in re.findall(r"(\w)>(\w)=(\d)", text.split("Searches so far", 1)[-1]))
+    two_hops = bool(compact.group(2)) if compact else "linked to" in text
+    start = start.group(1)
+    history = text.split("q:", 1)[-1] if compact else text.split("Searches so far", 1)[-1]
+    found = {x: (y, v) for x, y, v in re.findall(r"(\w)>(\w)=(\d)", history)}
     need = found[start][0] if two_hops and start in found else start
-    if "You are the Verifier" in text:
-        enough = need in found and (not two_hops or start in found)
-        return "<verify>" + ("yes" if enough != wrong else "no") + "</verify>"
-    if "You are the Search agent" in text:
-        return f"<think>look it up</think><search>{need}</search>"
+    enough = need in found and (not two_hops or start in found)
     value = found[need][1] if need in found else "0"
-    return f"<think>read it</think><answer>{(int(value) + 1) % 10 if wrong else value}</answer>"
+    value = str((int(value) + 1) % 10) if wrong else value
+    if "You are the Verifier" in text or "\nok?" in text:
+        verdict = "yes" if enough != wrong else "no"
+        return verdict[0] if compact else f"<verify>{verdict}</verify>"
+    if "You are the Search agent" in text or "\nfind:" in text:
+        return need if compact else f"<think>look it up</think><search>{need}</search>"
+    return value if compact else f"<think>read it</think><answer>{value}</answer>"
 
 
 def _script_solution(row):

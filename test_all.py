@@ -21,6 +21,7 @@ Contents: one section per concept, each with its marker (`pytest -m grpo_mas` ru
     code       judge.py's code judge and the code env
     grpo_mas   grpo_mas.py: keys, advantages, the loss, by hand
     rollouts   rollout.py: the tree, replayed and scored by hand
+    workflows  routed workflows (Dr. MAS's math and search), retrieval, the groups by hand
     train      train.py end to end
     eval       eval.py and rollout.evaluate
     style      the code's width, its citations, its imports
@@ -2777,6 +2778,300 @@ def test_clones_are_independent_for_every_task():
             assert b.grid == env.grid
         if hasattr(env, "pending"):
             assert b.pending == {} and env.pending == {}
+
+
+# -----------------------------------------------------------------------------
+# [workflows] agents that speak a variable number of times: Dr. MAS's solver-verifier math and its
+# search workflow, retrieval, the groups each --algo forms, by hand
+
+import judge as J2  # noqa: E402  (the QA checker lives beside the code judge)
+import retrieval  # noqa: E402
+
+
+def test_groups_when_agents_speak_a_different_number_of_times_by_hand():
+    """Two plain trajectories of one search env: in trajectory 0 the verifier speaks twice (no, then
+    yes), the search agent once, the answer agent once; in trajectory 1 the verifier says yes at once
+    and the answer agent answers (the search agent never speaks). Each --algo's groups and advantages,
+    by hand (population std, eps 1e-6):
+      at_grpo  (env, agent, turn): one group per node; a node's siblings are what its K candidates are
+      grpo     (env): one value per (trajectory, agent) that spoke: the sum of its calls' rewards
+      dr_mas   (env, agent): every call of that agent in both trajectories, however many there are"""
+    def s(traj, role, turn, reward):
+        return Sample(policy=0, env=0, role=role, turn=turn, traj=traj, prompt_ids=[1], response_ids=[2],
+                      sampler_logprobs=[0.0], reward=reward)
+    ss = [s(0, "verifier", 0, 0.5), s(0, "search", 0, 0.5), s(0, "verifier", 1, 0.5), s(0, "answer", 1, 2.0),
+          s(1, "verifier", 0, 0.0), s(1, "answer", 0, 0.0)]
+    e = 1e-6
+    # dr_mas: verifier pools 0.5, 0.5, 0.0 (mean 1/3, std sqrt(1/18)); search is alone (std 0: advantage 0);
+    # answer pools 2.0, 0.0 (mean 1, std 1)
+    kept, stats = G.compute_advantages(ss, "dr_mas")
+    sd = math.sqrt(((0.5 - 1 / 3) ** 2 * 2 + (1 / 3) ** 2) / 3)
+    assert [x.adv for x in ss] == pytest.approx([(0.5 - 1 / 3) / (sd + e), 0.0, (0.5 - 1 / 3) / (sd + e),
+                                                1 / (1 + e), -(1 / 3) / (sd + e), -1 / (1 + e)])
+    assert stats.groups == 3 and stats.zero_var_frac == pytest.approx(1 / 3)
+    # grpo: returns (0, verifier) 1.0, (0, search) 0.5, (0, answer) 2.0, (1, verifier) 0.0, (1, answer) 0.0
+    G.trajectory_returns(ss)
+    G.compute_advantages(ss, "grpo")
+    vals = [1.0, 0.5, 2.0, 0.0, 0.0]
+    mu = sum(vals) / 5
+    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / 5)
+    assert ss[0].adv == ss[2].adv == pytest.approx((1.0 - mu) / (sd + e))  # both verifier calls: one return
+    assert ss[1].adv == pytest.approx((0.5 - mu) / (sd + e)) and ss[4].adv == pytest.approx(-mu / (sd + e))
+    # at_grpo: every (env, agent, turn) a group of its own here (one candidate each)
+    assert {G.KEYS["at_grpo"](x) for x in ss} == {(0, "verifier", 0), (0, "search", 0), (0, "verifier", 1),
+                                                   (0, "answer", 1), (0, "answer", 0)}
+
+
+def _world_env(seed, compact=True, turns=4, two_hops=None):
+    """A generated search question (the first seed from `seed` on with the hop count asked)."""
+    while True:
+        env = E.make_env("search", seed, compact=compact, turns=turns, search=dict(topk=1))
+        if two_hops is None or (len(env.gold) == 2) == two_hops:
+            return env
+        seed += 1
+
+
+def test_search_env_routes_and_rewards_by_hand():
+    """A two-hop generated question played by hand: who speaks next, each call's reward (verifier 0.5
+    when its verdict is right, search 0.5 when it brings a gold passage, answer exact match, team 1 once
+    right, -0.1 for an ill-formed answer), the history the agents see, and the turn limit (on the last
+    turn a "no" calls nobody)."""
+    env = _world_env(0, two_hops=True)
+    start, link = env.gold
+    value = env.answers[0]
+    assert env.speakers() == ("verifier",) and env.observe("verifier")[0]["content"].endswith("ok?")
+    assert env.step("verifier", "y") == 0.0  # "enough" with nothing retrieved: wrong
+    assert env.speakers() == ("answer",)
+    assert env.clone().step("answer", "") == -0.1  # an empty answer is ill-formed; the episode still ends
+    env = _world_env(0, two_hops=True)
+    assert env.step("verifier", "n") == 0.5 and env.speakers() == ("search",)
+    assert env.step("search", start) == 0.5 and env.team_reward() == 0.0  # the first hop's passage
+    assert env.speakers() == () and f"{start}>{link}=" in env.observe("search")[0]["content"]
+    env.end_turn()
+    assert env.step("verifier", "y") == 0.0  # the value is one more hop away
+    env = _world_env(0, two_hops=True)
+    for role, text in (("verifier", "n"), ("search", start)):
+        env.step(role, text)
+    env.end_turn()
+    assert env.step("verifier", "n") == 0.5 and env.step("search", start) == 0.0  # nothing new
+    env.end_turn()
+    assert env.step("verifier", "n") == 0.5 and env.step("search", link) == 0.5
+    env.end_turn()
+    assert env.turn == 3 and env.step("verifier", "n") == 0.0 and env.speakers() == ()  # the last turn
+    env = _world_env(0, two_hops=True)
+    for role, text in (("verifier", "n"), ("search", start)):
+        env.step(role, text)
+    env.end_turn()
+    for role, text in (("verifier", "n"), ("search", link)):
+        env.step(role, text)
+    env.end_turn()
+    assert env.step("verifier", "y") == 0.5 and env.speakers() == ("answer",)
+    assert env.step("answer", value) == 1.0 and env.team_reward() == 1.0 and env.done and env.success
+    assert env.speakers() == ()
+    wrong = _world_env(0, two_hops=True)
+    wrong.step("verifier", "y")
+    assert wrong.step("answer", str((int(value) + 1) % 10)) == 0.0 and wrong.done and not wrong.success
+    bad = _world_env(0, two_hops=True)
+    assert bad.step("verifier", "maybe") == -0.1 and bad.verdict == "yes"  # Dr. MAS: no tag counts as yes
+
+
+def test_math_solver_verifier_workflow_by_hand():
+    """Dr. MAS's math workflow: solver, then verifier; a rejected solution goes round again with every
+    earlier output in view; on the last turn the verifier is skipped; an approval ends the episode.
+    Rewards by hand: team = the current solution is right; verifier 1 for a right verdict; -0.1 for an
+    answer without its tag or box."""
+    row = {"question": "What is 6 x 7?", "answer": "42"}
+    env = E.make_env("math", workflow="solver_verifier", row=row, turns=2)
+    assert env.speakers() == ("solver",)
+    assert env.step("solver", "so \\boxed{41}") == 0.0 and env.team_reward() == 0.0
+    assert env.speakers() == ("verifier",)
+    assert env.clone().step("verifier", "fine <verify>approve</verify>") == 0.0  # approving a wrong one
+    assert env.clone().step("verifier", "looks fine") == -0.1  # no tag: approve (Dr. MAS), ill-formed
+    assert env.step("verifier", "6 x 7 is 42 <verify>reject</verify>") == 1.0 and not env.done
+    env.end_turn()
+    seen = env.observe("solver")[1]["content"]
+    assert 'The output of "Solver": so \\boxed{41}' in seen and "<verify>reject</verify>" in seen
+    assert env.step("solver", "\\boxed{42}") == 0.0 and env.team_reward() == 1.0 and env.success
+    assert env.speakers() == ()  # the last turn: no verifier
+    env.end_turn()
+    assert env.done
+    approved = E.make_env("math", workflow="solver_verifier", row=row, turns=3)
+    approved.step("solver", "\\boxed{42}")
+    assert approved.step("verifier", "<verify>approve</verify>") == 1.0 and approved.done and approved.success
+    unboxed = E.make_env("math", workflow="solver_verifier", row=row, turns=3)
+    assert unboxed.step("solver", "it is 42") == -0.1 and not unboxed.format_ok
+
+
+def test_scripted_tree_rollout_of_the_routed_workflows(tiny_dir):
+    """AT-GRPO's tree over workflows that route: the (env, agent, turn) groups hold K siblings each, and an
+    agent's calls vary by env (a one-hop question needs one search, a two-hop question two). The scripted
+    policy searches the question's entity, then its link, and answers the value it read."""
+    from rollout import every_role, tree_rollout
+    from scripted import DefaultScript
+    agents = _scripted_agents(tiny_dir, DefaultScript(p_wrong=0.0))
+    agents.role_to_policy.update({"verifier": 0, "search": 0, "answer": 0, "solver": 0})
+    envs = [_world_env(0, compact=False, two_hops=False), _world_env(0, compact=False, two_hops=True)]
+    samples = tree_rollout(envs, agents, 2, 4, every_role(max_new_tokens=4000))
+    groups = collections.Counter(G.KEYS["at_grpo"](x) for x in samples)
+    assert set(groups.values()) == {2}
+    searches = collections.Counter(x.env for x in samples if x.role == "search")
+    assert searches == {0: 2, 1: 4}  # K=2 candidates at each search node: one node, then two
+    assert all(e.done and e.success for e in envs)
+    row = E.load_split("math", "test")[0]
+    math_envs = [E.make_env("math", workflow="solver_verifier", row=row, turns=2)]
+    samples = tree_rollout(math_envs, agents, 2, 2, every_role(max_new_tokens=4000))
+    assert {(x.role, x.turn) for x in samples} <= {("solver", 0), ("verifier", 0), ("solver", 1)}
+
+
+def test_outcome_reward_is_the_trajectorys_final_outcome():
+    """--reward outcome (Dr. MAS's assignment): every call's reward is alpha x its trajectory's final team
+    reward, minus the penalty for an ill-formed answer; with AT-GRPO it is refused."""
+    import train as T
+    envs = [[_world_env(0), _world_env(0)]]
+    envs[0][0].success = True
+    ss = [Sample(policy=0, env=0, role="verifier", turn=0, traj=t, prompt_ids=[1], response_ids=[2],
+                 sampler_logprobs=[0.0], reward=0.5, formatted=f) for t, f in ((0, True), (0, False), (1, True))]
+    G.outcome_rewards(ss, envs, alpha=1.0, penalty=0.1)
+    assert [x.reward for x in ss] == pytest.approx([1.0, 0.9, 0.0])
+    with pytest.raises(SystemExit, match="use it with --algo grpo or dr_mas"):
+        T.configure(["--task", "search", "--reward", "outcome"])
+
+
+def test_bm25_scores_equal_bm25s():
+    """The in-process BM25 against bm25s (method "lucene", the same tokens): the same scores on a random
+    corpus; the entity's own passage ranks first in a generated world."""
+    import bm25s
+    rng = random.Random(0)
+    words = ["w%d" % i for i in range(30)]
+    passages = [retrieval.Passage(str(i), " ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+                for i in range(40)]
+    ours = retrieval.BM25(passages)
+    ref = bm25s.BM25(method="lucene")
+    ref.index([retrieval.tokenize(p.contents) for p in passages], show_progress=False)
+    for _ in range(10):
+        query = [rng.choice(words) for _ in range(rng.randint(1, 3))]
+        assert ours.scores(" ".join(query)) == pytest.approx(list(ref.get_scores(query)), rel=1e-5, abs=1e-6)
+    env = _world_env(3)
+    for p in env.retriever.passages:
+        assert env.retriever.search(p.id, 1) == [p]
+
+
+def test_http_retriever_against_a_stand_in_server():
+    """Search-R1's retrieval API on the loopback address (a stand-in server that speaks it): POST
+    {"queries", "topk", "return_scores"} -> {"result": [[{"document": {"id", "contents"}, "score"}]]}.
+    A server that is down stops the run before training with one line; a failure during training is a
+    counted failure that the agent sees, never an empty result."""
+    import http.server
+    import threading
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            docs = [{"document": {"id": f"d{i}", "contents": f'"Doc {i}"\nabout {body["queries"][0]}'},
+                     "score": 1.0 / (i + 1)} for i in range(body["topk"])]
+            reply = json.dumps({"result": [docs]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    try:
+        hits = retrieval.HttpRetriever(url).search("hamlet", 3)
+        assert seen[-1] == {"queries": ["hamlet"], "topk": 3, "return_scores": True}
+        assert [h.title for h in hits] == ["Doc 0", "Doc 1", "Doc 2"] and hits[0].text == "about hamlet"
+        env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"],
+                                        "passages": None, "gold": ()},
+                         search=dict(topk=2, retriever=retrieval.HttpRetriever(url)))
+        env.step("verifier", "<verify>no</verify>")
+        assert env.step("search", "<search>hamlet author</search>") == 0.0
+        assert "Doc 1(Title: Doc 0) about hamlet author\nDoc 2(Title: Doc 1)" in env.observe("answer")[1]["content"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    before = dict(retrieval.stats)
+    down = retrieval.HttpRetriever(url, timeout=2.0)
+    with pytest.raises(SystemExit, match="does not answer"):
+        down.check()
+    env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"], "passages": None,
+                                    "gold": ()}, search=dict(topk=2, retriever=down))
+    env.step("verifier", "<verify>no</verify>")
+    assert env.step("search", "<search>hamlet</search>") == 0.0
+    assert "the search failed" in env.observe("verifier")[1]["content"]
+    assert retrieval.stats["failures"] == before["failures"] + 1
+
+
+def test_questions_load_in_search_r1_and_hotpotqa_formats(tmp_path):
+    """Search-R1 / FlashRAG rows (golden_answers; or reward_model.ground_truth.target) use the shared
+    retriever; HotpotQA rows bring their context paragraphs as passages, the supporting facts' titles as
+    gold; exact match and F1 after SQuAD's normalization, by hand."""
+    path = tmp_path / "q.jsonl"
+    rows = [{"question": "who wrote hamlet", "golden_answers": ["William Shakespeare", "Shakespeare"]},
+            {"question": "q2", "reward_model": {"ground_truth": {"target": ["x"]}}},
+            {"question": "Which is older?", "answer": "The Globe",
+             "context": [["The Globe", ["Built in 1599.", "In London."]], ["Rose", ["Built in 1587."]]],
+             "supporting_facts": [["The Globe", 0]]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    qs = retrieval.load_questions(str(path))
+    assert qs[0]["answers"] == ["William Shakespeare", "Shakespeare"] and qs[0]["passages"] is None
+    assert qs[1]["answers"] == ["x"]
+    assert [p.contents for p in qs[2]["passages"]] == ['"The Globe"\nBuilt in 1599. In London.', '"Rose"\nBuilt in 1587.']
+    assert qs[2]["gold"] == ("2-0",)
+    assert J2.exact_match("the  Shakespeare!", qs[0]["answers"]) == 1.0 and J2.exact_match("Marlowe", ["x"]) == 0.0
+    assert J2.f1_score("William Shakespeare wrote it", ["William Shakespeare"]) == pytest.approx(2 * 0.5 / 1.5)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "no answer"}))
+    with pytest.raises(ValueError, match="golden_answers"):
+        retrieval.load_questions(str(tmp_path / "bad.jsonl"))
+
+
+def test_train_and_eval_run_the_search_and_solver_verifier_workflows(tmp_path, tiny_dir):
+    """train.py and eval.py end to end: the search task on the tiny model (compact prompts, BM25 over each
+    question's world) and with the scripted policy on a HotpotQA-format file and a BM25 corpus; Dr. MAS's
+    math workflow with the scripted policy. The log says who spoke: calls and tokens per agent."""
+    import train as T
+    out = tmp_path / "search"
+    T.main(SMOKE + ["--task", "search", "--turns", "4", "--max_new_tokens", "3", "--ckpt_every", "1",
+                    "--out_dir", str(out)])
+    rec = json.loads(open(out / "metrics.jsonl").readlines()[-1])
+    calls = [rec[f"calls_{r}"] for r in ("verifier", "search", "answer")]
+    assert calls[0] >= calls[1] + calls[2] and sum(calls) == rec["samples"] and rec["search_calls"] == calls[1]
+    assert rec["tokens_verifier"] > 0 and rec["search_failures"] == 0
+    res = V.main(["--task", "search", "--model", str(out / "ckpt" / "policy-verifier+search+answer"),
+                  "--engine", "torch", "--limit", "5"])
+    assert res["n"] == 5 and set(res["per_role"]) >= {"verifier"}
+    corpus, questions = tmp_path / "corpus.jsonl", tmp_path / "q.jsonl"
+    corpus.write_text("\n".join(json.dumps({"id": str(i), "contents": f'"{t}"\n{t} is {v}'})
+                                for i, (t, v) in enumerate([("alpha", "red"), ("beta", "blue")])))
+    questions.write_text("\n".join(json.dumps({"question": f"What is {t}?", "golden_answers": [v]})
+                                   for t, v in [("alpha", "red"), ("beta", "blue")]))
+    out = tmp_path / "corpus"
+    T.main(["--task", "search", "--engine", "scripted", "--model", tiny_dir, "--steps", "1", "--envs_per_step", "2",
+            "--K", "2", "--eval_every", "1", "--eval_n", "2", "--ckpt_every", "0", "--search_train", str(questions),
+            "--search_test", str(questions), "--retriever", f"bm25:{corpus}", "--max_new_tokens", "64",
+            "--max_prompt_tokens", "1024", "--max_model_len", "1200", "--out_dir", str(out)])
+    assert json.loads(open(out / "metrics.jsonl").readlines()[-1])["search_calls"] >= 0
+    with pytest.raises(SystemExit, match="bring no passages"):
+        T.configure(["--task", "search", "--search_train", str(questions)])
+    out = tmp_path / "sv"
+    T.main(["--task", "math", "--workflow", "solver_verifier", "--engine", "scripted", "--steps", "1",
+            "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
+            "--max_new_tokens", "1500", "--max_prompt_tokens", "3000", "--max_model_len", "5000",
+            "--micro_batch_tokens", "20000", "--out_dir", str(out)])
+    rec = json.loads(open(out / "metrics.jsonl").readlines()[-1])
+    assert rec["calls_solver"] >= 2 * 2 and rec["calls_verifier"] >= 0 and rec["reward_solver"] != 0
+    T.main(SMOKE + ["--task", "math", "--workflow", "solver_verifier", "--out_dir", str(tmp_path / "sv-tiny")])
+    for task, extra in (("math", ["--workflow", "solver_verifier", "--files", "math/test/aime2024.jsonl",
+                                  "--max_prompt_tokens", "3000"]),
+                        ("search", [])):
+        res = V.main(["--task", task, "--model", tiny_dir, "--engine", "scripted", "--limit", "3",
+                      "--eval_max_new_tokens", "512", *extra])
+        assert res["n"] == 3 and res["accuracy"] > 0  # the script is right 70% of the time
 
 
 # -----------------------------------------------------------------------------
