@@ -248,7 +248,9 @@ def bench_gpu(parts="parity,step,update"):
     per-block compiled, with and without activation checkpointing, each with its peak memory next to memory.py's
     estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a paper-shaped
     batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
-    assert torch.cuda.is_available(), "bench.py gpu needs CUDA"
+    if not torch.cuda.is_available():
+        raise SystemExit(f"bench.py gpu needs a CUDA GPU: torch {torch.__version__} sees none (the CPU benchmarks: "
+                         "model, sampler, sandbox, env, train; the GPU check: python gpu_check.py)")
     import common as C
     C.setup_dist()  # a 1-rank NCCL group, as a lone-GPU training run makes
     peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H100 SXM dense bf16
@@ -298,12 +300,14 @@ def _lm_step(m, opt, x):
     torch.cuda.synchronize()
 
 
-def gpu_step(peak):
+def gpu_step(peak, variants=((False, True), (False, False), (True, True))):
+    """Each (compiled, checkpointing) variant's numbers, printed and returned."""
     import memory
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
     Tn, B = 4096, 2
     x = torch.randint(0, cfg.vocab_size, (B, Tn), device="cuda")
-    for compiled, ckpt in ((False, True), (False, False), (True, True)):
+    results = []
+    for compiled, ckpt in variants:
         torch.manual_seed(0)
         m = M.Qwen3(cfg)
         m.init_weights(0.02)
@@ -329,24 +333,25 @@ def gpu_step(peak):
         # allocator only, no engine
         est = plan["totals"]["train"] - memory.context_bytes(1) / memory.GiB - plan["rows"][1][1]["train"]
         tok_s = B * (Tn - 1) / s
-        print(
-            json.dumps(
-                {
-                    "bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
-                    f"checkpointing {ckpt}, compiled {compiled}",
-                    "step_s": s,
-                    "first_step_s": first,
-                    "tokens_per_s": tok_s,
-                    "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak,
-                    "peak_alloc_gib": mem,
-                    "planner_train_gib": est,
-                    "gpu": torch.cuda.get_device_name(),
-                }
-            ),
-            flush=True,
-        )
+        res = {"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
+                        f"checkpointing {ckpt}, compiled {compiled}",
+               "step_s": s, "first_step_s": first, "tokens_per_s": tok_s,
+               "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
+               "gpu": torch.cuda.get_device_name()}
+        print(json.dumps(res), flush=True)
+        results.append(res)
         del m, opt
         torch.cuda.empty_cache()
+    return results
+
+
+def gpu_update_config(pack=False):
+    """train.update_policy's configuration for the update benchmark: train.py's own flags (the paper
+    recipe; it failed with a KeyError when it was written by hand and train.py read a new flag), with two
+    mini-batches and the layout asked for."""
+    import train as T
+    return {**T.FLAGS, "mini_batch_rows": 0, "minibatches": 2, "micro_batch_tokens": 16384, "tis_cap": 2.0,
+            "pack": pack, "split": "groups" if pack else "strided"}
 
 
 def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
@@ -367,8 +372,6 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
             samples.append(Sample(0, g, "plan", 0, 0, prompt, [rng.randrange(151643) for _ in range(n)],
                                   [-rng.random() * 3 for _ in range(n)], 0.0, adv=rng.choice([-1.0, 1.0])))
     distinct = sum(len(s.response_ids) for s in samples) + sum(len(samples[g * K].prompt_ids) for g in range(groups))
-    tc = dict(minibatches=2, micro_batch_tokens=16384, temperature=1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0,
-              kl_coef=0.0, tis_cap=2.0, grad_clip=1.0, entropy_coef=0.0)
     torch.manual_seed(0)
     m = M.Qwen3(cfg)
     m.init_weights(0.02)
@@ -380,7 +383,7 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
     bare = 2 * 4095 / timeit(step, 5)
     print(json.dumps({"bench": "bare fwd+bwd+AdamW, 2 x 4096, same model", "tokens_per_s": bare}), flush=True)
     for pack in packs:
-        c = {**tc, "pack": pack, "split": "groups" if pack else "strided"}
+        c = gpu_update_config(pack)
 
         def upd():
             st = T.update_policy(m, opt, samples, c, 1, C.DEVICE)

@@ -1068,7 +1068,8 @@ class SearchEnv(Env):
       answer  local = exact match (or token F1: metric "f1") of its answer; the episode ends
       search  local = 0.5 if its passages bring a gold passage (any hop) the history did not hold;
               where the data names no gold passages, an answer-bearing one
-      verifier local = 0.5 if its verdict is right: "yes" exactly when the history holds one
+      verifier local = 0.5 if its verdict is right: "yes" exactly when the history holds one, or
+              on the last turn (where a "no" would end the episode unanswered)
       team    1 once the answer is right; every ill-formed answer -0.1
     An answer-bearing passage is the question's last gold passage where the data names them (the
     generated worlds, HotpotQA's supporting facts), else one that contains a gold answer."""
@@ -1119,7 +1120,10 @@ class SearchEnv(Env):
                 self.verdict = {"y": "yes", "n": "no"}.get(verdict, "yes")
             else:
                 self.verdict, self.format_ok = parse_verdict(text, "yes", "no")
-            right = (self.verdict == "yes") == self.sufficient()
+            # "enough" is right when the history holds the answer, and on the last turn (a "no" there
+            # calls nobody: the episode would end unanswered)
+            enough = self.sufficient() or self.turn >= self.max_turns - 1
+            right = (self.verdict == "yes") == enough
             return ROUTE_RIGHT * right if self.format_ok else -FORMAT_PENALTY
         if role == "search":
             query = (text or "").strip() if self.compact else tag(text, "search")
@@ -1181,13 +1185,13 @@ class SearchEnv(Env):
 # ("a=?": a's value) or two ("a>=?": the value of a's link). BM25 over the world's six passages,
 # one passage per search in compact mode (the entity's own passage ranks first: its title repeats it).
 
-WORLD_SIZE = 6
+WORLD_SIZE, NAMES = 6, "abcdefgh"  # six entities of eight letters: a random search hits one in eight
 
 
 def make_world(seed):
     """(question, answer, passages, gold passage ids in hop order) of generated question `seed`."""
     rng = random.Random(f"search-{seed}")
-    names = rng.sample("abcdefghijklmnopqrstuvwxyz", WORLD_SIZE)
+    names = rng.sample(NAMES, WORLD_SIZE)
     link = {x: rng.choice([y for y in names if y != x]) for x in names}
     value = {x: str(rng.randrange(10)) for x in names}
     passages = [retrieval.Passage(x, f'"{x}"\n{x}>{link[x]}={value[x]}') for x in names]

@@ -354,6 +354,11 @@ def print_plan(cfg):
         f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}"
     )
     print(format_table(res, title))
+    import policies as P
+    wanted = cfg["envs_per_step"] // max(1, world) * cfg["K"]
+    if P.engine_seqs(cfg, world) < wanted:
+        print(f"vLLM runs at most {P.engine_seqs(cfg, world)} of a step's {wanted} sequences per rank at once "
+              "(max_num_seqs, capped at its max_num_batched_tokens as vLLM requires); the rest queue")
     return 0 if res["fits"] else 1
 
 

@@ -281,10 +281,14 @@ def build_engines(cfg, pols, models, bases, ckpt, rank):
 
 
 def engine_seqs(cfg, world):
-    """The most sequences one generate call holds on a rank: one step's envs on the rank x K (at
-    least 16). vLLM on CUDA sizes its start-up profile and CUDA graphs by it, and the memory plan
-    counts the same number."""
-    return max(16, cfg["envs_per_step"] // max(1, world) * cfg["K"])
+    """The most sequences vLLM runs at once on a rank: one step's envs on the rank x K (at least 16),
+    at most its max_num_batched_tokens (vLLM 0.32 refuses an engine whose batched tokens are fewer
+    than its sequences, `vllm/config/scheduler.py`; a generate call with more prompts queues the
+    rest). vLLM on CUDA sizes its start-up profile and CUDA graphs by it, and the memory plan counts
+    the same number."""
+    from engines import vllm_batched_tokens
+    wanted = max(16, cfg["envs_per_step"] // max(1, world) * cfg["K"])
+    return min(wanted, vllm_batched_tokens(cfg["max_model_len"]))
 
 
 def use_policy(models, pols, p):

@@ -121,9 +121,15 @@ def random_answer(task, rng, max_moves=4, game=None):
 def search_warmup_pair(tok, agents, rng, end):
     """(prompt ids, answer ids) of the search workflow: a generated question played for a random
     number of calls with random well-formed answers, then the next speaker's observation and a random
-    well-formed answer of its role (y or n; a letter; a digit): the format, never the world's facts."""
-    answers = {"verifier": lambda: rng.choice("yn"), "search": lambda: rng.choice("abcdefghijklmnopqrstuvwxyz"),
-               "answer": lambda: str(rng.randrange(10))}
+    well-formed answer of its role: y or n; a letter, or a digit, among those its prompt shows (a real
+    model queries with words it read and answers with one it found; which one is for RL to learn). The
+    format, never the world's facts."""
+    def seen(env, chars):  # the letters or digits the observation shows, as a real model would copy
+        text = env.observe("search")[0]["content"]
+        return [c for c in text if c in chars] or list(chars)
+
+    answers = {"verifier": lambda env: rng.choice("yn"), "search": lambda env: rng.choice(seen(env, E.NAMES)),
+               "answer": lambda env: rng.choice(seen(env, "0123456789"))}
     while True:
         env = E.train_env("search", rng, compact=True, search=dict(topk=1))
         for _ in range(rng.randrange(6)):
@@ -133,10 +139,10 @@ def search_warmup_pair(tok, agents, rng, end):
                 env.end_turn()
                 continue
             role = env.speakers()[0]
-            env.step(role, answers[role]())
+            env.step(role, answers[role](env))
         if not env.done and env.speakers():
             role = env.speakers()[0]
-            return agents.render(env.observe(role)), tok.encode(answers[role](), add_special_tokens=False) + end
+            return agents.render(env.observe(role)), tok.encode(answers[role](env), add_special_tokens=False) + end
 
 
 def sft_step(m, opt, batch):
