@@ -1166,7 +1166,7 @@ class SearchEnv(Env):
             lines = [f"q:{self.question}"]
             for query, hits in self.history:
                 lines.append(hits if isinstance(hits, str) else " ".join(p.text for p in hits))
-            lines.append({"verifier": "ok?", "search": "find:", "answer": "ans:"}[role])
+            lines.append({"verifier": "OK?", "search": "FIND:", "answer": "ANS:"}[role])  # no entity letters
             return [{"role": "user", "content": "\n".join(lines)}]
         info = ""
         for n, (query, hits) in enumerate(self.history, 1):

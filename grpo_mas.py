@@ -43,7 +43,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     """Sets s.adv on every sample; returns (the samples kept for training, GroupStats).
     `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
     if algo not in KEYS:
-        raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo or dr_mas")
+        raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo, dr_mas or gigpo")
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
     if not std_floor >= 0.0:
@@ -94,6 +94,55 @@ class GroupStats:
     zero_var_frac: float  # groups whose values are all equal: advantage 0, no signal
     group_size: float     # samples per group, mean
     dropped: int          # samples left out (--drop_zero_var)
+
+
+def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-6, penalty=0.0):
+    """GiGPO (Feng et al. 2025; verl-agent `gigpo/core_gigpo.py`), over K plain trajectories per env:
+    A = A_episode + step_weight x A_step, one number per call.
+      A_episode  the trajectory's total reward, normalized within its env's group over every call (a
+                 trajectory counts once per call: verl-agent's compute_mean_std_cross_steps)
+      A_step     the call's discounted return, G_t = r_t + gamma G_(t+1) over its trajectory's calls in
+                 order, normalized within its anchor group: the env's calls made from one observation
+                 (the same prompt: the same state as the agent sees it), by any trajectory at any step
+    scale "none" subtracts the group's mean (verl-agent's mean_norm, its default); "group" divides by
+    the unbiased std + eps too (mean_std_norm). A group of one: episode mean 0 and std 1; step mean its
+    own value (advantage 0), as the reference. `penalty`: subtracted from both, after discounting, for
+    an ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+    trajectories = defaultdict(list)
+    for s in samples:
+        trajectories[s.env, s.traj].append(s)
+    episode, step_return = {}, {}
+    for calls in trajectories.values():
+        total, future = sum(s.reward for s in calls), 0.0
+        for s in reversed(calls):
+            future = s.reward + gamma * future
+            invalid = penalty * (not s.formatted)
+            episode[id(s)], step_return[id(s)] = total - invalid, future - invalid
+
+    def normalize(groups, values, lone_mean_is_own):
+        out, zero = {}, 0
+        for group in groups.values():
+            x = [values[id(s)] for s in group]
+            if len(x) == 1:
+                mean, std = (x[0] if lone_mean_is_own else 0.0), 1.0
+            else:
+                mean = sum(x) / len(x)
+                std = math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
+            zero += len(x) > 1 and max(x) == min(x)
+            for s, v in zip(group, x):
+                out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
+        return out, zero
+    by_env, by_anchor = defaultdict(list), defaultdict(list)
+    for s in samples:
+        by_env[s.env].append(s)
+        by_anchor[s.env, tuple(s.prompt_ids)].append(s)
+    a_episode, zero_episode = normalize(by_env, episode, lone_mean_is_own=False)
+    a_step, zero_step = normalize(by_anchor, step_return, lone_mean_is_own=True)
+    for s in samples:
+        s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
+    n_groups = len(by_env) + len(by_anchor)
+    return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
+                               group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
 
 def group_values(group, algo):

@@ -147,10 +147,10 @@ def _script_search(text, wrong):
     enough = need in found and (not two_hops or start in found)
     value = found[need][1] if need in found else "0"
     value = str((int(value) + 1) % 10) if wrong else value
-    if "You are the Verifier" in text or "\nok?" in text:
+    if "You are the Verifier" in text or "\nOK?" in text:
         verdict = "yes" if enough != wrong else "no"
         return verdict[0] if compact else f"<verify>{verdict}</verify>"
-    if "You are the Search agent" in text or "\nfind:" in text:
+    if "You are the Search agent" in text or "\nFIND:" in text:
         return need if compact else f"<think>look it up</think><search>{need}</search>"
     return value if compact else f"<think>read it</think><answer>{value}</answer>"
 

@@ -45,8 +45,9 @@ import policies as P
 import retrieval
 import sandbox
 import tiny
-from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, make_rows,
-                      micro_batches, outcome_rewards, ppo_loss, split_minibatches, trajectory_returns)
+from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, gigpo_advantages,
+                      make_rows, micro_batches, outcome_rewards, ppo_loss, split_minibatches,
+                      trajectory_returns)
 from rollout import Agents, Sampling, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
@@ -55,7 +56,7 @@ from rollout import Agents, Sampling, evaluate, plain_rollout, tree_rollout
 task = "plan"              # plan | sokoban | sudoku | code | math | search
 model = ""                 # HF Qwen3 folder; "" = the embedded tiny model and the compact games
 preset = ""                # a key of PRESETS; "" = paper with --model, else tiny (per task)
-algo = "at_grpo"           # at_grpo | grpo | dr_mas: the group key and scope (grpo_mas.py)
+algo = "at_grpo"           # at_grpo | grpo | dr_mas | gigpo: the groups and their values (grpo_mas.py)
 workflow = "mas"           # mas: every agent; single: one agent alone; math: solver_verifier too
 policies = "shared"        # shared | per_role | per_type | lora: who shares a policy
 team = ""                  # --task math: "N,M" = N reasoners and M tool agents, then a judge
@@ -84,6 +85,10 @@ K = 4                      # candidates per (agent, turn) node, or trajectories 
 alpha = 1.0                # weight of the team reward in every call's reward
 reward = "immediate"       # immediate: each call's alpha*team + local; outcome: the episode's (Dr. MAS)
 invalid_penalty = 0.1      # --reward outcome: minus this for an ill-formed answer (Dr. MAS: 0.1 math)
+train_roles = ""           # roles whose samples train (tool,plan); "" = all; the others sample, frozen
+alternate_every = 0        # N > 0: the trained roles take turns, one every N steps (0 = all at once)
+gigpo_gamma = 0.95         # --algo gigpo: the discount of the step returns (verl-agent's scripts)
+gigpo_step_weight = 1.0    # --algo gigpo: A = A_episode + this x A_step
 branch = "greedy"          # greedy: the best branch continues; random (an ablation)
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
@@ -113,7 +118,7 @@ lora_lr_mult = 1.0         # --policies lora without --lr: this x the preset's l
 lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr
 scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batch: / the step's std
 batch_std_steps = 0        # with --scale_rewards group: the first N steps use the step's std
-temperature = 0.6          # training temperature, per role too; each sample is trained at its own
+temperature = 1.0          # training temperature, per role too; each sample is trained at its own
 max_new_tokens = 2048      # response tokens per call, per role too (tiny: the compact answer)
 max_prompt_tokens = 8192   # prompt tokens per call (head and tail kept)
 max_model_len = 10240      # engine context (clamped to the model's)
@@ -164,7 +169,7 @@ PRESETS = {
 CHOICES = {
     "task": list(E.TASKS),
     "preset": ["", *PRESETS],
-    "algo": ["at_grpo", "grpo", "dr_mas"],
+    "algo": ["at_grpo", "grpo", "dr_mas", "gigpo"],
     "workflow": E.WORKFLOWS,
     "policies": ["shared", "per_role", "per_type", "lora"],
     "team_mode": ["aggregate", "refine"],
@@ -273,6 +278,7 @@ BOUNDS = [
     ("alpha", lambda v: v >= 0, "at least 0 (the weight of the team reward)"),
     ("invalid_penalty", lambda v: v >= 0, "at least 0"),
     ("search_topk", lambda v: v >= 1, "at least 1 passage per search"),
+    ("alternate_every", lambda v: v >= 0, "0 (every trained role every step) or a number of steps"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
     ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
     ("test_timeout", lambda v: v > 0, "above 0 seconds"),
@@ -292,6 +298,10 @@ def check(cfg, given):
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
         raise SystemExit(str(e))
+    unknown = [r for r in cfg["train_roles"].split(",") if r and r not in P.task_roles(cfg)]
+    if unknown:
+        raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role {unknown[0]!r}; "
+                         f"its roles are {', '.join(P.task_roles(cfg))}")
     if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's losing "
                          "branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores each call)")
@@ -464,6 +474,16 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     return stats
 
 
+def trained_roles(cfg, roles, step):
+    """The roles whose samples train at `step`: --train_roles (all by default), taking turns every
+    --alternate_every steps when set. A policy none of whose roles trains is not updated at all; a
+    shared policy trains on its trained roles' samples only (the frozen roles still sample)."""
+    chosen = [r for r in cfg["train_roles"].split(",") if r] or list(roles)
+    if cfg["alternate_every"]:
+        return {chosen[(step // cfg["alternate_every"]) % len(chosen)]}
+    return set(chosen)
+
+
 def lr_factor(cfg, step):
     """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last
     --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay without the
@@ -582,6 +602,8 @@ def step_line(rec, roles, n_policies, eta):
     rewards = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f} ({rec[f'calls_{r}']})" for r in roles)
     per_policy = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} "
                           f"|dlogp| {rec[f'dlogp_p{p}']:.1e}" for p in range(n_policies))
+    if "trained_roles" in rec:
+        rewards += " | trains " + ",".join(rec["trained_roles"])
     line = (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rewards} | fmt {rec['format_ok']:.2f} "
             f"zv {rec['zero_var_frac']:.2f} | {per_policy} | {rec['samples']} smp {rec['resp_tokens']} tok | "
             f"gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s train {rec['t_train']:.1f}s "
@@ -680,9 +702,15 @@ def main(argv):
         scale = cfg["scale_rewards"]
         if scale == "group" and step < cfg["batch_std_steps"]:
             scale = "batch"
-        kept, group_stats = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
-                                        C.all_sum, std_floor=cfg["std_floor"])
+        if cfg["algo"] == "gigpo":  # episode groups plus anchor-state step groups
+            kept, group_stats = gigpo_advantages(samples, cfg["gigpo_gamma"], cfg["gigpo_step_weight"],
+                                                 "none" if scale == "none" else "group")
+        else:
+            kept, group_stats = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
+                                                   C.all_sum, std_floor=cfg["std_floor"])
         mem = {"mem_rollout": C.cuda_peak_gib()}
+        trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every: the others sit still
+        kept = [s for s in kept if s.role in trained]
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: the engines sleep)
         for engine in P.distinct_engines(engines):
@@ -690,6 +718,9 @@ def main(argv):
         t1 = time.time()
         updates = []
         for p, pol in enumerate(pols):
+            if not set(pol.roles) & trained:  # a frozen policy: no update, its weights bit-identical
+                updates.append(UpdateStats())
+                continue
             # the lr is a function of the step: a resume follows it
             for group in opts[p].param_groups:
                 group["lr"] = pol.lr * lr_factor(cfg, step)
@@ -719,6 +750,8 @@ def main(argv):
                                search_calls=retrieval.stats["calls"] - searches_before["calls"],
                                search_failures=retrieval.stats["failures"] - searches_before["failures"])
         rec = step_record(cfg, step, roles, step_stats, updates, opts, dlogp_hist, master)
+        if len(trained) < len(roles):
+            rec["trained_roles"] = sorted(trained)
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
                    t_sync=t3 - t2, t_step=t3 - t0, time=time.time() - t_run)
         done_here = step + 1 - start.step
