@@ -142,6 +142,8 @@ def search_warmup_pair(tok, agents, rng, end):
             env.step(role, answers[role](env))
         if not env.done and env.speakers():
             role = env.speakers()[0]
+            if role == "answer" and not env.history and rng.random() < 0.8:
+                continue  # mostly answers with passages in view: what copying a digit is learnt from
             return agents.render(env.observe(role)), tok.encode(answers[role](env), add_special_tokens=False) + end
 
 

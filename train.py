@@ -163,8 +163,8 @@ PRESETS = {
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
                     "warmup_moves": 16},
-    "tiny-search": {**TINY, "max_new_tokens": 3, "eval_max_new_tokens": 3, "search_topk": 1,
-                    "warmup_moves": 1},
+    "tiny-search": {**TINY, "temperature": 1.0, "warmup_steps": 600, "max_new_tokens": 3,
+                    "eval_max_new_tokens": 3, "search_topk": 1, "warmup_moves": 1},
 }
 CHOICES = {
     "task": list(E.TASKS),
@@ -305,24 +305,7 @@ def check(cfg, given):
     if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's losing "
                          "branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores each call)")
-    searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
-    if searching and cfg["task"] != "search":
-        raise SystemExit(f"--{searching[0]} is for --task search")
-    for k in ("search_train", "search_test"):
-        if cfg[k] and not os.path.isfile(cfg[k]):
-            raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or HotpotQA's)")
-        if cfg[k] and not cfg["retriever"]:
-            try:
-                rows = retrieval.load_questions(cfg[k])
-            except ValueError as e:
-                raise SystemExit(str(e))
-            if any(row["passages"] is None for row in rows):
-                raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give them a "
-                                 "corpus, --retriever bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
-    if cfg["retriever"].startswith("bm25:") and not os.path.isfile(cfg["retriever"][5:]):
-        raise SystemExit(f"--retriever {cfg['retriever']}: no such corpus file (Search-R1's jsonl: id, contents)")
-    if cfg["retriever"] and not cfg["retriever"].startswith(("bm25:", "http://", "https://")):
-        raise SystemExit(f"--retriever {cfg['retriever']!r}: use bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
+    check_search(cfg)
     pols, _ = P.resolve(cfg)  # every role and policy misuse
     tiny_run = P.is_tiny(cfg)
     if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
@@ -379,6 +362,28 @@ def check(cfg, given):
     if cfg["envs_per_step"] % world_env:
         raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} ranks: "
                          f"use a multiple of {world_env}")
+
+
+def check_search(cfg):
+    """--task search's flags: its files exist, its questions bring passages or a retriever is given."""
+    searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
+    if searching and cfg["task"] != "search":
+        raise SystemExit(f"--{searching[0]} is for --task search")
+    for k in ("search_train", "search_test"):
+        if cfg[k] and not os.path.isfile(cfg[k]):
+            raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or HotpotQA's)")
+        if cfg[k] and not cfg["retriever"]:
+            try:
+                rows = retrieval.load_questions(cfg[k])
+            except ValueError as e:
+                raise SystemExit(str(e))
+            if any(row["passages"] is None for row in rows):
+                raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give them a "
+                                 "corpus, --retriever bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
+    if cfg["retriever"].startswith("bm25:") and not os.path.isfile(cfg["retriever"][5:]):
+        raise SystemExit(f"--retriever {cfg['retriever']}: no such corpus file (Search-R1's jsonl: id, contents)")
+    if cfg["retriever"] and not cfg["retriever"].startswith(("bm25:", "http://", "https://")):
+        raise SystemExit(f"--retriever {cfg['retriever']!r}: use bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
 
 
 # -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Tables and curves of train.py runs (lab tooling: it reads run folders, never tra
     python tools/runs.py --summary runs/a-s0 runs/b-s0 --at_step 100           # step-matched (runs of different speeds)
     python tools/runs.py --plot runs/default runs/grpo --out curves.png        # curves from metrics.jsonl
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps    # curves against the step
+    python tools/runs.py --grad_spikes runs/a-s0 runs/b-s0                     # max / median grad norm per policy
 """
 import json
 import os
@@ -172,14 +173,32 @@ def summary(run_dirs, threshold=0.8, at_step=None):
     return "\n".join(lines)
 
 
+def grad_spikes(run_dirs, at_step=None):
+    """Per configuration and policy: the gradient norms' max / median over a run's steps (Dr. MAS's measure of
+    spikes), each seed's, and the calls per step of each agent."""
+    lines = ["| configuration | policy | max / median grad norm, per seed | median grad norm, per seed |",
+             "|---|---|---|---|"]
+    for label, runs in group_runs(run_dirs, at_step=at_step).items():
+        recs = [rec for _, rec in runs]
+        policies = sorted({k for rec in recs for r in rec for k in r if k.startswith("grad_norm_p")})
+        for key in policies:
+            series = [[r[key] for r in rec if key in r] for rec in recs]
+            ratio = [max(s) / max(1e-12, upper_median(s)) for s in series if s]
+            med = [upper_median(s) for s in series if s]
+            lines.append(f"| {label} | {key[len('grad_norm_'):]} | {', '.join(f'{x:.1f}' for x in ratio)} | "
+                         f"{', '.join(f'{x:.2f}' for x in med)} |")
+    return "\n".join(lines)
+
+
 def main(argv):
-    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps]; --at_step N for both."""
-    a, i = {"summary": [], "plot": [], "out": "curves.png", "x": "minutes", "at_step": None}, 0
+    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps] | --grad_spikes RUN_DIR ...;
+    --at_step N for each."""
+    a, i = {"summary": [], "plot": [], "grad_spikes": [], "out": "curves.png", "x": "minutes", "at_step": None}, 0
     while i < len(argv):
         name = argv[i][2:] if argv[i].startswith("--") else None
         if name not in a:
             raise SystemExit(f"unknown argument {argv[i]!r}: " + main.__doc__)
-        if name in ("summary", "plot"):  # every following non-flag argument
+        if name in ("summary", "plot", "grad_spikes"):  # every following non-flag argument
             j = i + 1
             while j < len(argv) and not argv[j].startswith("--"):
                 j += 1
@@ -193,6 +212,8 @@ def main(argv):
         return plot(a["plot"], a["out"], x=a["x"], at_step=at_step)
     if a["summary"]:
         return summary(a["summary"], at_step=at_step)
+    if a["grad_spikes"]:
+        return grad_spikes(a["grad_spikes"], at_step=at_step)
     raise SystemExit(main.__doc__)
 
 
