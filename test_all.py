@@ -3190,9 +3190,9 @@ SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--
 @pytest.mark.parametrize("task", list(E.TASKS))
 def test_train_smoke_every_combination(task, tmp_path):
     import train as T
-    for workflow in ("mas", "single"):
+    for workflow, roles in E.TASKS[task]["workflows"].items():
         for policies in ("shared", "per_role", "lora"):
-            for algo in ("at_grpo", "grpo", "dr_mas"):
+            for algo in ("at_grpo", "grpo", "dr_mas", "gigpo")[:4 if policies == "shared" else 3]:
                 out = tmp_path / f"{workflow}-{policies}-{algo}"
                 T.main(
                     SMOKE
@@ -3211,7 +3211,7 @@ def test_train_smoke_every_combination(task, tmp_path):
                 )
                 rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
                 assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0, (workflow, policies, algo)
-                n_pol = 2 if (workflow == "mas" and policies != "shared") else 1
+                n_pol = len(roles) if policies != "shared" else 1
                 assert all(f"grad_norm_p{p}" in rec[-1] for p in range(n_pol))
 
 

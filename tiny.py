@@ -130,6 +130,7 @@ def search_warmup_pair(tok, agents, rng, end):
 
     answers = {"verifier": lambda env: rng.choice("yn"), "search": lambda env: rng.choice(seen(env, E.NAMES)),
                "answer": lambda env: rng.choice(seen(env, "0123456789"))}
+    role = rng.choice(E.task_roles("search"))  # each role a third of the examples
     while True:
         env = E.train_env("search", rng, compact=True, search=dict(topk=1))
         for _ in range(rng.randrange(6)):
@@ -138,13 +139,11 @@ def search_warmup_pair(tok, agents, rng, end):
             if not env.speakers():
                 env.end_turn()
                 continue
-            role = env.speakers()[0]
-            env.step(role, answers[role](env))
-        if not env.done and env.speakers():
-            role = env.speakers()[0]
-            if role == "answer" and not env.history and rng.random() < 0.8:
-                continue  # mostly answers with passages in view: what copying a digit is learnt from
-            return agents.render(env.observe(role)), tok.encode(answers[role](env), add_special_tokens=False) + end
+            speaker = env.speakers()[0]
+            env.step(speaker, answers[speaker](env))
+        if env.done or env.speakers() != (role,) or (role == "answer" and not env.history):
+            continue  # answers are learnt with passages in view: what copying a digit is learnt from
+        return agents.render(env.observe(role)), tok.encode(answers[role](env), add_special_tokens=False) + end
 
 
 def sft_step(m, opt, batch):

@@ -187,6 +187,15 @@ def grad_spikes(run_dirs, at_step=None):
             med = [upper_median(s) for s in series if s]
             lines.append(f"| {label} | {key[len('grad_norm_'):]} | {', '.join(f'{x:.1f}' for x in ratio)} | "
                          f"{', '.join(f'{x:.2f}' for x in med)} |")
+    lines += ["", "| configuration | agent | calls per step (median over steps, mean over seeds) | response tokens per "
+              "step |", "|---|---|---|---|"]
+    for label, runs in group_runs(run_dirs, at_step=at_step).items():
+        recs = [rec for _, rec in runs]
+        agents = sorted({k[len("calls_"):] for rec in recs for r in rec for k in r if k.startswith("calls_")})
+        for agent in agents:
+            calls = [upper_median([r[f"calls_{agent}"] for r in rec if f"calls_{agent}" in r]) for rec in recs]
+            tokens = [upper_median([r[f"tokens_{agent}"] for r in rec if f"tokens_{agent}" in r]) for rec in recs]
+            lines.append(f"| {label} | {agent} | {sum(calls) / len(calls):.0f} | {sum(tokens) / len(tokens):.0f} |")
     return "\n".join(lines)
 
 
