@@ -3985,6 +3985,14 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     assert RUNS.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
 
+def test_runs_tokens_spent_by_hand():
+    """--x tokens: the response tokens generated up to each step (an evaluation record at a step counts the
+    step's own training), so schemes that spend different budgets per step line up by what they spent."""
+    rec = [{"step": 0, "eval_success": 0.1}, {"step": 1, "resp_tokens": 5}, {"step": 2, "resp_tokens": 7},
+           {"step": 2, "eval_success": 0.3}, {"step": 3, "resp_tokens": 1}]
+    assert RUNS.tokens_spent(rec) == {0: 0, 1: 5, 2: 12, 3: 13}
+
+
 def test_pass_and_avg_at_k_brute_force():
     import itertools
     results = [[True, False, False, True], [False] * 4, [True] * 4, [False, False, True, False]]

@@ -5,6 +5,7 @@ Tables and curves of train.py runs (lab tooling: it reads run folders, never tra
     python tools/runs.py --summary runs/a-s0 runs/b-s0 --at_step 100           # step-matched (runs of different speeds)
     python tools/runs.py --plot runs/default runs/grpo --out curves.png        # curves from metrics.jsonl
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps    # curves against the step
+    python tools/runs.py --plot runs/a-s0 runs/b-s0 --x tokens                 # against the tokens generated so far
     python tools/runs.py --grad_spikes runs/a-s0 runs/b-s0                     # max / median grad norm per policy
 """
 import json
@@ -16,20 +17,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def plot(run_dirs, out_png, x="minutes", at_step=None):
     """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
     configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold. x: "minutes"
-    (wall clock) or "steps" (runs made on different machines or core counts line up by step); at_step: as summary's."""
+    (wall clock), "steps" (runs made on different machines or core counts line up by step) or "tokens" (response
+    tokens generated so far: schemes that spend different budgets per step line up by what they spent); at_step: as
+    summary's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = [("eval_success", "held-out success (greedy)"), ("reward", "train reward per agent"),
               ("dlogp", "sampler vs trainer |dlogp|"), ("grad_norm", "grad norm")]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    if x not in ("minutes", "steps"):
-        raise SystemExit(f"--x {x!r}: minutes or steps")
-    xof = (lambda r: r.get("time", 0) / 60) if x == "minutes" else (lambda r: r["step"])
+    if x not in ("minutes", "steps", "tokens"):
+        raise SystemExit(f"--x {x!r}: minutes, steps or tokens")
     groups = group_runs(run_dirs, need_config=False, at_step=at_step)
+    spent = {d: tokens_spent(rec) for runs in groups.values() for d, rec in runs}
+    xof = {"minutes": lambda d, r: r.get("time", 0) / 60, "steps": lambda d, r: r["step"],
+           "tokens": lambda d, r: spent[d][r["step"]]}[x]
     for n, (label, runs) in enumerate(groups.items()):
         color = f"C{n % 10}"
-        curves = [[(r["step"], xof(r), r["eval_success"]) for r in rec if "eval_success" in r] for _, rec in runs]
+        curves = [[(r["step"], xof(d, r), r["eval_success"]) for r in rec if "eval_success" in r] for d, rec in runs]
         if len(runs) == 1:  # one run: its own curve
             axes[0].plot(
                 [m for _, m, _ in curves[0]], [y for _, _, y in curves[0]], marker="o", color=color, label=label
@@ -47,7 +52,7 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
             )
     for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
         name = os.path.basename(os.path.normpath(d))
-        xs = lambda key: [(xof(r), r[key]) for r in rec if key in r]
+        xs = lambda key: [(xof(d, r), r[key]) for r in rec if key in r]
         for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
             v = xs(key)
             axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
@@ -59,13 +64,22 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
             axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
     for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
-        ax.set_xlabel("wall-clock minutes" if x == "minutes" else "training step")
+        ax.set_xlabel({"minutes": "wall-clock minutes", "steps": "training step", "tokens": "response tokens"}[x])
         ax.grid(alpha=0.3)
         if 0 < len(ax.get_legend_handles_labels()[0]) <= 12:  # none for an empty panel, or one too long to read
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     return out_png
+
+
+def tokens_spent(rec):
+    """{step: response tokens generated up to and including that step} from a run's metrics records."""
+    spent, total = {}, 0
+    for r in sorted(rec, key=lambda r: r["step"]):
+        total += r.get("resp_tokens", 0)
+        spent[r["step"]] = total
+    return spent
 
 
 RUN_LENGTH = ("stop_step", "time_limit_min")  # where a run stops: with at_step they do not tell configurations apart
@@ -200,7 +214,7 @@ def grad_spikes(run_dirs, at_step=None):
 
 
 def main(argv):
-    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps] | --grad_spikes RUN_DIR ...;
+    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps|tokens] | --grad_spikes RUN_DIR ...;
     --at_step N for each."""
     a, i = {"summary": [], "plot": [], "grad_spikes": [], "out": "curves.png", "x": "minutes", "at_step": None}, 0
     while i < len(argv):
