@@ -3985,12 +3985,28 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     assert RUNS.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
 
-def test_runs_tokens_spent_by_hand():
+def test_runs_tokens_spent_by_hand(tmp_path):
     """--x tokens: the response tokens generated up to each step (an evaluation record at a step counts the
     step's own training), so schemes that spend different budgets per step line up by what they spent."""
     rec = [{"step": 0, "eval_success": 0.1}, {"step": 1, "resp_tokens": 5}, {"step": 2, "resp_tokens": 7},
            {"step": 2, "eval_success": 0.3}, {"step": 3, "resp_tokens": 1}]
     assert RUNS.tokens_spent(rec) == {0: 0, 1: 5, 2: 12, 3: 13}
+    # --at_tokens: each run cut at its last step within the budget; "final" is the last evaluation there
+    def run(name, seed, per_step):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": seed, "out_dir": str(d), "stop_step": 4}))
+        rows = [{"step": 0, "eval_success": 0.1}] + [
+            {"step": s, "resp_tokens": per_step, "samples": 1, "eval_success": s / 10} for s in range(1, 5)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+    cheap, dear = run("cheap", 0, 10), run("dear", 1, 25)
+    (cut,) = RUNS.group_runs([cheap, dear], at_tokens=30).values()
+    assert [max(r["step"] for r in rec) for _, rec in cut] == [3, 1]
+    row = RUNS.summary([cheap], at_tokens=30).splitlines()[2].split(" | ")
+    assert row[2] == "3" and row[6].startswith("0.30") and row[-1] == "10 |"
+    with pytest.raises(SystemExit, match="fewer than --at_tokens 101"):
+        RUNS.summary([dear], at_tokens=101)
 
 
 def test_pass_and_avg_at_k_brute_force():

@@ -6,6 +6,7 @@ Tables and curves of train.py runs (lab tooling: it reads run folders, never tra
     python tools/runs.py --plot runs/default runs/grpo --out curves.png        # curves from metrics.jsonl
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --at_step 100 --x steps    # curves against the step
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --x tokens                 # against the tokens generated so far
+    python tools/runs.py --summary runs/a-s0 runs/b-s0 --at_tokens 50000       # token-matched (budgets per step differ)
     python tools/runs.py --grad_spikes runs/a-s0 runs/b-s0                     # max / median grad norm per policy
 """
 import json
@@ -14,12 +15,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def plot(run_dirs, out_png, x="minutes", at_step=None):
+def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
     """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
     configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold. x: "minutes"
     (wall clock), "steps" (runs made on different machines or core counts line up by step) or "tokens" (response
     tokens generated so far: schemes that spend different budgets per step line up by what they spent); at_step: as
-    summary's."""
+    summary's; at_tokens: as summary's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -28,7 +29,7 @@ def plot(run_dirs, out_png, x="minutes", at_step=None):
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     if x not in ("minutes", "steps", "tokens"):
         raise SystemExit(f"--x {x!r}: minutes, steps or tokens")
-    groups = group_runs(run_dirs, need_config=False, at_step=at_step)
+    groups = group_runs(run_dirs, need_config=False, at_step=at_step, at_tokens=at_tokens)
     spent = {d: tokens_spent(rec) for runs in groups.values() for d, rec in runs}
     xof = {"minutes": lambda d, r: r.get("time", 0) / 60, "steps": lambda d, r: r["step"],
            "tokens": lambda d, r: spent[d][r["step"]]}[x]
@@ -91,12 +92,14 @@ def flag_defaults():
     return dict(T.FLAGS)
 
 
-def group_runs(run_dirs, need_config=True, at_step=None):
+def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
     """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
     out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
     allowed with need_config=False) is a group of its own, labelled by its directory name. at_step: keep each run's
     records up to that step only (step-matched comparisons of runs of different lengths or speeds); every run must
-    have reached it, and then the settings that only say where a run stops (RUN_LENGTH) are not configuration."""
+    have reached it, and then the settings that only say where a run stops (RUN_LENGTH) are not configuration.
+    at_tokens: the same, each run cut at its last step within that many response tokens generated (schemes that
+    spend different budgets per step compared at one budget)."""
     runs, defaults = [], flag_defaults()
     for d in run_dirs:
         cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
@@ -105,7 +108,7 @@ def group_runs(run_dirs, need_config=True, at_step=None):
         cfg = None
         if os.path.exists(cpath):
             skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (
-                RUN_LENGTH if at_step is not None else ()
+                RUN_LENGTH if at_step is not None or at_tokens is not None else ()
             )
             # a flag missing from an older run's config.json was added after it, with the old behaviour as its default
             cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
@@ -116,6 +119,13 @@ def group_runs(run_dirs, need_config=True, at_step=None):
                 raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller "
                                  "--at_step or drop the run")
             rec = [r for r in rec if r["step"] <= at_step]
+        if at_tokens is not None:
+            spent = tokens_spent(rec)
+            if max(spent.values(), default=0) < at_tokens:
+                raise SystemExit(f"{d!r} generated {max(spent.values(), default=0)} tokens, fewer than --at_tokens "
+                                 f"{at_tokens}: give a smaller --at_tokens or drop the run")
+            last = max(step for step, tokens in spent.items() if tokens <= at_tokens)
+            rec = [r for r in rec if r["step"] <= last]
         runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
     varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
@@ -143,7 +153,7 @@ def upper_median(xs):
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
-def summary(run_dirs, threshold=0.8, at_step=None):
+def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
     per group: seeds, steps, median seconds per step, median samples (trained calls) per step (the cost that does not
     depend on the machine), the untrained model's held-out success (the step-0 evaluation),
@@ -151,19 +161,24 @@ def summary(run_dirs, threshold=0.8, at_step=None):
     training minutes at which each seed first reached `threshold`, and each seed's lowest evaluation after that
     (does it stay learned?). Labels are the config values that differ between the runs given. at_step: every
     column as of that step ("final" = the evaluation at it), for runs of different lengths or speeds, and the first
-    time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts)."""
-    groups = {label: [rec for _, rec in runs] for label, runs in group_runs(run_dirs, at_step=at_step).items()}
+    time at `threshold` as a step (minutes are not comparable between runs on different machines or core counts).
+    at_tokens: the same at one budget of response tokens ("final" = the last evaluation within it); a column says
+    each configuration's response tokens per step."""
+    runs = group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens)
+    groups = {label: [rec for _, rec in group] for label, group in runs.items()}
+    by_step = at_step is not None or at_tokens is not None
     lines = [
         "| configuration | seeds | steps | s/step | samples/step | untrained (step 0), mean "
         "| final held-out, mean [min-max] | final / untrained | best (mean) "
-        f"| first >= {threshold} ({'min' if at_step is None else 'step'}, per seed) | lowest after that (per seed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| first >= {threshold} ({'step' if by_step else 'min'}, per seed) | lowest after that (per seed) |"
+        + (" tokens/step |" if at_tokens is not None else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if at_tokens is not None else ""),
     ]
     for label, recs in groups.items():
-        finals, bases, bests, firsts, lows, steps, sps, smp = [], [], [], [], [], [], [], []
+        finals, bases, bests, firsts, lows, steps, sps, smp, tps = [], [], [], [], [], [], [], [], []
         for rec in recs:
             ev = [
-                (r.get("time", 0.0) / 60 if at_step is None else r["step"], r["eval_success"])
+                (r["step"] if by_step else r.get("time", 0.0) / 60, r["eval_success"])
                 for r in rec
                 if "eval_success" in r
             ]
@@ -171,11 +186,15 @@ def summary(run_dirs, threshold=0.8, at_step=None):
             bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
             bests.append(max((y for _, y in ev), default=float("nan")))
             hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
-            firsts.append("never" if hit is None else f"{ev[hit][0]:.1f}" if at_step is None else str(ev[hit][0]))
+            if hit is None:
+                firsts.append("never")
+            else:
+                firsts.append(str(ev[hit][0]) if by_step else f"{ev[hit][0]:.1f}")
             lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
             steps.append(max((r["step"] for r in rec), default=0))
             sps.append(upper_median([r["t_step"] for r in rec if "t_step" in r]))
             smp.append(upper_median([r["samples"] for r in rec if "samples" in r]))
+            tps.append(upper_median([r["resp_tokens"] for r in rec if "resp_tokens" in r]))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
         lines.append(
@@ -183,16 +202,17 @@ def summary(run_dirs, threshold=0.8, at_step=None):
             f"| {base:.2f} | {final:.2f} "
             f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
             f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |"
+            + (f" {upper_median(tps):.0f} |" if at_tokens is not None else "")
         )
     return "\n".join(lines)
 
 
-def grad_spikes(run_dirs, at_step=None):
+def grad_spikes(run_dirs, at_step=None, at_tokens=None):
     """Per configuration and policy: the gradient norms' max / median over a run's steps (Dr. MAS's measure of
     spikes), each seed's, and the calls per step of each agent."""
     lines = ["| configuration | policy | max / median grad norm, per seed | median grad norm, per seed |",
              "|---|---|---|---|"]
-    for label, runs in group_runs(run_dirs, at_step=at_step).items():
+    for label, runs in group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens).items():
         recs = [rec for _, rec in runs]
         policies = sorted({k for rec in recs for r in rec for k in r if k.startswith("grad_norm_p")})
         for key in policies:
@@ -203,7 +223,7 @@ def grad_spikes(run_dirs, at_step=None):
                          f"{', '.join(f'{x:.2f}' for x in med)} |")
     lines += ["", "| configuration | agent | calls per step (median over steps, mean over seeds) | response tokens per "
               "step |", "|---|---|---|---|"]
-    for label, runs in group_runs(run_dirs, at_step=at_step).items():
+    for label, runs in group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens).items():
         recs = [rec for _, rec in runs]
         agents = sorted({k[len("calls_"):] for rec in recs for r in rec for k in r if k.startswith("calls_")})
         for agent in agents:
@@ -215,8 +235,9 @@ def grad_spikes(run_dirs, at_step=None):
 
 def main(argv):
     """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps|tokens] | --grad_spikes RUN_DIR ...;
-    --at_step N for each."""
-    a, i = {"summary": [], "plot": [], "grad_spikes": [], "out": "curves.png", "x": "minutes", "at_step": None}, 0
+    --at_step N or --at_tokens N for each."""
+    a, i = {"summary": [], "plot": [], "grad_spikes": [], "out": "curves.png", "x": "minutes", "at_step": None,
+            "at_tokens": None}, 0
     while i < len(argv):
         name = argv[i][2:] if argv[i].startswith("--") else None
         if name not in a:
@@ -231,12 +252,13 @@ def main(argv):
             raise SystemExit(f"--{name} needs a value")
         a[name], i = argv[i + 1], i + 2
     at_step = None if a["at_step"] is None else int(a["at_step"])
+    at = dict(at_step=at_step, at_tokens=None if a["at_tokens"] is None else int(a["at_tokens"]))
     if a["plot"]:
-        return plot(a["plot"], a["out"], x=a["x"], at_step=at_step)
+        return plot(a["plot"], a["out"], x=a["x"], **at)
     if a["summary"]:
-        return summary(a["summary"], at_step=at_step)
+        return summary(a["summary"], **at)
     if a["grad_spikes"]:
-        return grad_spikes(a["grad_spikes"], at_step=at_step)
+        return grad_spikes(a["grad_spikes"], **at)
     raise SystemExit(main.__doc__)
 
 
