@@ -101,31 +101,19 @@ def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
     at_tokens: the same, each run cut at its last step within that many response tokens generated (schemes that
     spend different budgets per step compared at one budget)."""
     runs, defaults = [], flag_defaults()
+    matched = at_step is not None or at_tokens is not None
     for d in run_dirs:
         cpath, mpath = os.path.join(d, "config.json"), os.path.join(d, "metrics.jsonl")
         if not os.path.exists(mpath) or (need_config and not os.path.exists(cpath)):
             raise SystemExit(f"{d!r} is not a train.py run directory (config.json and metrics.jsonl)")
         cfg = None
         if os.path.exists(cpath):
-            skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (
-                RUN_LENGTH if at_step is not None or at_tokens is not None else ()
-            )
+            skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (RUN_LENGTH if matched else ())
             # a flag missing from an older run's config.json was added after it, with the old behaviour as its default
             cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
         rec = [json.loads(l) for l in open(mpath) if l.strip()]
-        if at_step is not None:
-            last = max((r["step"] for r in rec), default=0)
-            if last < at_step:
-                raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller "
-                                 "--at_step or drop the run")
-            rec = [r for r in rec if r["step"] <= at_step]
-        if at_tokens is not None:
-            spent = tokens_spent(rec)
-            if max(spent.values(), default=0) < at_tokens:
-                raise SystemExit(f"{d!r} generated {max(spent.values(), default=0)} tokens, fewer than --at_tokens "
-                                 f"{at_tokens}: give a smaller --at_tokens or drop the run")
-            last = max(step for step, tokens in spent.items() if tokens <= at_tokens)
-            rec = [r for r in rec if r["step"] <= last]
+        if matched:
+            rec = cut_at(d, rec, at_step, at_tokens)
         runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
     varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
@@ -135,6 +123,26 @@ def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
             " ".join(f"--{k} {c.get(k)}" for k in varying) or "(one configuration)")
         groups.setdefault(label, []).append((d, rec))
     return groups
+
+
+def cut_at(d, rec, at_step, at_tokens):
+    """Run d's records up to step at_step, then up to its last step within at_tokens response tokens; an error
+    naming the fix if the run stopped short of either."""
+    if at_step is not None:
+        last = max((r["step"] for r in rec), default=0)
+        if last < at_step:
+            raise SystemExit(f"{d!r} stopped at step {last}, before --at_step {at_step}: give a smaller "
+                             "--at_step or drop the run")
+        rec = [r for r in rec if r["step"] <= at_step]
+    if at_tokens is not None:
+        spent = tokens_spent(rec)
+        total = max(spent.values(), default=0)
+        if total < at_tokens:
+            raise SystemExit(f"{d!r} generated {total} tokens, fewer than --at_tokens {at_tokens}: give a smaller "
+                             "--at_tokens or drop the run")
+        last = max(step for step, tokens in spent.items() if tokens <= at_tokens)
+        rec = [r for r in rec if r["step"] <= last]
+    return rec
 
 
 def mean_curve(curves):
@@ -212,7 +220,8 @@ def grad_spikes(run_dirs, at_step=None, at_tokens=None):
     spikes), each seed's, and the calls per step of each agent."""
     lines = ["| configuration | policy | max / median grad norm, per seed | median grad norm, per seed |",
              "|---|---|---|---|"]
-    for label, runs in group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens).items():
+    groups = group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens)
+    for label, runs in groups.items():
         recs = [rec for _, rec in runs]
         policies = sorted({k for rec in recs for r in rec for k in r if k.startswith("grad_norm_p")})
         for key in policies:
@@ -223,7 +232,7 @@ def grad_spikes(run_dirs, at_step=None, at_tokens=None):
                          f"{', '.join(f'{x:.2f}' for x in med)} |")
     lines += ["", "| configuration | agent | calls per step (median over steps, mean over seeds) | response tokens per "
               "step |", "|---|---|---|---|"]
-    for label, runs in group_runs(run_dirs, at_step=at_step, at_tokens=at_tokens).items():
+    for label, runs in groups.items():
         recs = [rec for _, rec in runs]
         agents = sorted({k[len("calls_"):] for rec in recs for r in rec for k in r if k.startswith("calls_")})
         for agent in agents:
@@ -251,8 +260,7 @@ def main(argv):
         if i + 1 >= len(argv):
             raise SystemExit(f"--{name} needs a value")
         a[name], i = argv[i + 1], i + 2
-    at_step = None if a["at_step"] is None else int(a["at_step"])
-    at = dict(at_step=at_step, at_tokens=None if a["at_tokens"] is None else int(a["at_tokens"]))
+    at = {k: None if a[k] is None else int(a[k]) for k in ("at_step", "at_tokens")}
     if a["plot"]:
         return plot(a["plot"], a["out"], x=a["x"], **at)
     if a["summary"]:
