@@ -145,6 +145,50 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
 
+def signal_groups(samples, algo):
+    """The algo's groups whose values are not all equal (they carry a signal), in the order their first
+    sample was generated, and how many groups there were in all."""
+    groups = defaultdict(list)
+    for s in samples:
+        groups[KEYS[algo](s)].append(s)
+    informative = []
+    for group in groups.values():
+        x = group_values(group, algo)
+        mean = sum(x) / len(x)
+        if math.sqrt(sum((v - mean) ** 2 for v in x) / len(x)) >= 1e-12:  # compute_advantages' test
+            informative.append(group)
+    return informative, len(groups)
+
+
+@dataclass
+class Filled:
+    """What DAPO's dynamic sampling generated in a step and what it keeps."""
+    generated: list        # every sample of every rollout (the step's cost)
+    kept: list             # the samples of the first `target` groups with a signal
+    rollouts: int          # rollouts made, the first included
+    zero_var_frac: float   # of every group generated: the freeze, as without the filter
+
+
+def dapo_fill(first, more, algo, max_rollouts, all_sum=lambda v: v):
+    """DAPO's dynamic sampling (Yu et al. 2025; verl recipe/dapo/dapo_ray_trainer.py, filter_groups):
+    keep only the groups with a signal; while they number fewer than the groups of the first rollout
+    (DAPO: the train batch's prompts), roll out fresh envs (`more(n)`, n = the rollouts so far); stop
+    at max_rollouts in all (DAPO raises there; here the step trains on what it has, and the log's
+    `rollouts` shows it). Groups beyond the target are dropped, as DAPO cuts its batch. Every rank
+    keeps rolling out until all reach their own target (one all_sum per rollout)."""
+    groups, target = signal_groups(first, algo)
+    generated, seen, rollouts = list(first), target, 1
+    while rollouts < max_rollouts and all_sum([float(len(groups) < target)])[0] > 0:
+        new = more(rollouts)
+        informative, n = signal_groups(new, algo)
+        groups += informative
+        generated += new
+        seen += n
+        rollouts += 1
+    kept = [s for group in groups[:target] for s in group]
+    return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
+
+
 def group_values(group, algo):
     """The values a group's mean and std are taken over: one per sample, except for grpo, where an
     agent's return is the same on each of its turns and counts once per (trajectory, agent)."""

@@ -2153,6 +2153,63 @@ def test_group_keys_and_advantages_by_hand():
         G.compute_advantages(ss, "ppo")
 
 
+def _dapo_reference(batches, target_prompts, n, max_num_gen_batches):
+    """DAPO's filter as verl's recipe writes it (recipe/dapo/dapo_ray_trainer.py, filter_groups; restated with
+    numpy over uid-tagged trajectories): per generation batch keep the uids whose rewards have np.std > 0, count
+    them, generate again while fewer than target_prompts, then cut the kept trajectories to target x n (verl
+    raises at max_num_gen_batches; this project trains on what it has there)."""
+    import numpy as np
+    kept, n_kept, used = [], 0, 0
+    for batch in batches[:max_num_gen_batches]:  # [(uid, reward, id)] in generation order
+        used += 1
+        by_uid = {}
+        for uid, reward, _ in batch:
+            by_uid.setdefault(uid, []).append(reward)
+        keep = {uid for uid, rs in by_uid.items() if np.std(rs) > 0}
+        n_kept += len(keep)
+        kept += [i for uid, _, i in batch if uid in keep]
+        if n_kept >= target_prompts:
+            return kept[:target_prompts * n], used
+    return kept, used
+
+
+def test_dynamic_sampling_against_dapos_filter():
+    """--dynamic_sampling: the groups kept, the rollouts made and the cut equal DAPO's filter on the same batches
+    (K = 2 siblings per at_grpo node, groups in generation order); it stops at max_rollouts and then keeps what it
+    has; the zero-variance share counts every group generated."""
+    def batch(n, rewards):  # at_grpo nodes of rollout n: env i's one node with two siblings
+        return [_s(100 * n + i, "plan", 0, k, r) for i, pair in enumerate(rewards) for k, r in enumerate(pair)]
+    rollouts = [batch(0, [(1, 1), (0, 1), (0, 0), (2, 2)]),          # 4 groups, 1 with a signal
+                batch(1, [(3, 0), (1, 1), (0, 0), (1, 1)]),          # +1
+                batch(2, [(0, 2), (5, 6), (1, 1), (4, 0)])]          # +3: the target 4 is passed, one cut
+    for i, s_ in enumerate(s_ for b in rollouts for s_ in b):
+        s_.traj = i  # a unique id per sample (the reference's trajectory index)
+    for max_rollouts in (3, 2):
+        asked = []
+
+        def more(n):
+            asked.append(n)
+            return rollouts[n]
+        filled = G.dapo_fill(rollouts[0], more, "at_grpo", max_rollouts)
+        uid = lambda s_: G.KEYS["at_grpo"](s_)
+        ref, used = _dapo_reference([[(uid(s_), s_.reward, s_.traj) for s_ in b] for b in rollouts], 4, 2,
+                                    max_rollouts)
+        assert [s_.traj for s_ in filled.kept] == ref and filled.rollouts == used == max_rollouts
+        assert asked == list(range(1, max_rollouts))
+        assert len(filled.generated) == 8 * max_rollouts
+        signal = {3: 5, 2: 2}[max_rollouts]  # groups with a signal among those generated
+        assert filled.zero_var_frac == pytest.approx(1 - signal / (4 * max_rollouts))
+    assert len(filled.kept) == 2 * 2  # max_rollouts 2: short of the target, it trains on the two it has
+    # grpo's groups are envs, their values the trajectories' returns; a first rollout with a signal everywhere
+    # is the whole step (no second rollout asked for), and so is a first rollout at max_rollouts 1
+    ss = [_s(0, "plan", 0, t, r) for t, r in enumerate((0.0, 1.0))] + [_s(1, "plan", 0, t, 2.0) for t in range(2)]
+    G.trajectory_returns(ss)
+    filled = G.dapo_fill(ss[:2], lambda n: pytest.fail("asked for more"), "grpo", 5)
+    assert filled.kept == ss[:2] and filled.rollouts == 1 and filled.zero_var_frac == 0.0
+    filled = G.dapo_fill(ss, lambda n: pytest.fail("asked for more"), "grpo", 1)
+    assert filled.kept == ss[:2] and filled.zero_var_frac == 0.5
+
+
 def test_scale_rewards_none_and_batch_by_hand():
     # Dr. GRPO (TRL scale_rewards="none"): A = r - mean(r), by hand. A group whose rewards differ by 0.01 keeps
     # advantages of +-0.005; the std-scaled default turns them into +-1, as large as a group that differs by 4
@@ -3378,6 +3435,8 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--eps_low", "1.5"], "--eps_low 1.5: use in"),
         (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization 1.5: use a share"),
         (["--tool_timeout", "0"], "--tool_timeout 0.0: use above 0"),
+        (["--dynamic_sampling", "1"], "--dynamic_sampling 1: use 0 .off. or at least 2"),
+        (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
         (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
@@ -3447,6 +3506,23 @@ def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir):
     assert [r["trained_roles"] for r in recs] == [["tool"], ["plan"]]
     with pytest.raises(SystemExit, match="has no role 'coder'"):
         T.configure(["--train_roles", "coder"])
+
+
+def test_dynamic_sampling_refills_a_step(tmp_path, capsys):
+    """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
+    too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the
+    first rollout's number of groups, and the log and the step line say how many rollouts it made."""
+    import train as T
+    args = SMOKE + ["--warmup_steps", "20", "--envs_per_step", "4", "--steps", "3", "--K", "3"]
+    T.main(args + ["--out_dir", str(tmp_path / "plain")])
+    T.main(args + ["--dynamic_sampling", "3", "--out_dir", str(tmp_path / "dyn")])
+    plain, dyn = ([json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("plain", "dyn"))
+    first = dyn[0]  # step 1: the same model and seeds, so the same first rollout
+    assert first["rollouts"] in (1, 2, 3) and first["samples"] >= plain[0]["samples"]
+    assert (first["rollouts"] == 1) == (first["samples"] == plain[0]["samples"])
+    assert any(r["rollouts"] > 1 for r in dyn), "no step refilled: the test no longer exercises the loop"
+    assert all(0 < r["trained_samples"] < r["samples"] for r in dyn if r["rollouts"] > 1)
+    assert all("rollouts" not in r for r in plain) and "| rollouts " in capsys.readouterr().out
 
 
 def test_bad_input_exits_with_one_line_before_anything_loads():

@@ -45,8 +45,8 @@ import policies as P
 import retrieval
 import sandbox
 import tiny
-from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, gigpo_advantages,
-                      make_rows, micro_batches, outcome_rewards, ppo_loss, split_minibatches,
+from grpo_mas import (DUMMY, SCALES, by_agent_turn, collate, compute_advantages, dapo_fill,
+                      gigpo_advantages, make_rows, micro_batches, outcome_rewards, ppo_loss, split_minibatches,
                       trajectory_returns)
 from rollout import Agents, Sampling, evaluate, plain_rollout, tree_rollout
 
@@ -96,6 +96,8 @@ dual_clip = 3.0            # cap on the loss of negative-advantage tokens (c > 1
 kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
 entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (paper)
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
+dynamic_sampling = 0       # N > 1: DAPO's refill: up to N rollouts a step until the groups with a signal
+                           # number the first rollout's groups; zero-variance groups dropped (0 = off)
 std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the std
 top_p = 1.0                # 1.0: the sampler's log-probs are the trainer's full-softmax log-probs
 thinking = False           # Qwen3's chat-template thinking switch (per role: tool=true,plan=false)
@@ -278,6 +280,8 @@ BOUNDS = [
     ("alpha", lambda v: v >= 0, "at least 0 (the weight of the team reward)"),
     ("invalid_penalty", lambda v: v >= 0, "at least 0"),
     ("search_topk", lambda v: v >= 1, "at least 1 passage per search"),
+    ("dynamic_sampling", lambda v: v == 0 or v >= 2, "0 (off) or at least 2 rollouts per step (DAPO's "
+                                                      "max_num_gen_batches)"),
     ("alternate_every", lambda v: v >= 0, "0 (every trained role every step) or a number of steps"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
     ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
@@ -302,6 +306,9 @@ def check(cfg, given):
     if unknown:
         raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role {unknown[0]!r}; "
                          f"its roles are {', '.join(P.task_roles(cfg))}")
+    if cfg["dynamic_sampling"] and cfg["algo"] == "gigpo":
+        raise SystemExit("--dynamic_sampling filters one kind of group, and gigpo has two (episodes and anchor "
+                         "states): use it with --algo at_grpo, grpo or dr_mas, or drop it")
     if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's losing "
                          "branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores each call)")
@@ -510,6 +517,28 @@ def step_seed(seed, step, rank):
 
 
 @dataclass
+class Rollout:
+    """One rollout of fresh envs: its samples and how many of its episodes were solved."""
+    samples: list
+    solved: int
+    episodes: int
+
+
+def rollout_envs(cfg, envs, agents, sampling, rng, timer):
+    """The envs played by --algo's rollout: a tree (at_grpo: K candidates per (agent, turn), the best
+    branch continues) or K independent trajectories per env (the others), rewards assigned."""
+    if cfg["algo"] == "at_grpo":
+        samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
+                               cfg["branch"], rng, timer)
+        return Rollout(samples, sum(e.success for e in envs), len(envs))
+    samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"], timer)
+    if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
+        outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
+    trajectory_returns(samples)
+    return Rollout(samples, sum(e.success for ts in trajs for e in ts), len(trajs) * cfg["K"])
+
+
+@dataclass
 class StepStats:
     """This rank's share of a step, gathered over ranks into the step's record."""
     success: float       # episodes that ended in success / episodes
@@ -609,6 +638,8 @@ def step_line(rec, roles, n_policies, eta):
                           f"|dlogp| {rec[f'dlogp_p{p}']:.1e}" for p in range(n_policies))
     if "trained_roles" in rec:
         rewards += " | trains " + ",".join(rec["trained_roles"])
+    if "rollouts" in rec:  # --dynamic_sampling
+        rewards += f" | rollouts {rec['rollouts']:.1f} trains {rec['trained_samples']} smp"
     line = (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rewards} | fmt {rec['format_ok']:.2f} "
             f"zv {rec['zero_var_frac']:.2f} | {per_policy} | {rec['samples']} smp {rec['resp_tokens']} tok | "
             f"gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s train {rec['t_train']:.1f}s "
@@ -687,21 +718,25 @@ def main(argv):
 
         # --- rollout: this rank's share of the step's fresh envs
         rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
-        envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team, turns=cfg["turns"],
-                            search=search)
-                for _ in range(envs_per_rank)]
         agents.reseed(step_seed(cfg["seed"], step, rank))
-        if cfg["algo"] == "at_grpo":  # K candidates per (agent, turn), the best branch continues
-            samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
-                                   cfg["branch"], rng, timer)
-            success = sum(e.success for e in envs) / len(envs)
-        else:  # K independent trajectories per env
-            samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling,
-                                           cfg["alpha"], timer)
-            if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
-                outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
-            trajectory_returns(samples)
-            success = sum(e.success for ts in trajs for e in ts) / (len(trajs) * cfg["K"])
+        episodes = []  # each rollout's Rollout (one unless --dynamic_sampling)
+
+        def rollout(n_before):  # fresh envs; env indices after the n_before rollouts' envs
+            envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team,
+                                turns=cfg["turns"], search=search)
+                    for _ in range(envs_per_rank)]
+            batch = rollout_envs(cfg, envs, agents, sampling, rng, timer)
+            for s in batch.samples:
+                s.env += n_before * envs_per_rank
+            episodes.append(batch)
+            return batch.samples
+
+        samples = rollout(0)
+        filled = None
+        if cfg["dynamic_sampling"]:  # DAPO: more fresh envs until enough groups carry a signal
+            filled = dapo_fill(samples, rollout, cfg["algo"], cfg["dynamic_sampling"], C.all_sum)
+            samples = filled.generated
+        success = sum(b.solved for b in episodes) / sum(b.episodes for b in episodes)
 
         # --- advantages: the group key and the normalized value of --algo
         scale = cfg["scale_rewards"]
@@ -711,8 +746,11 @@ def main(argv):
             kept, group_stats = gigpo_advantages(samples, cfg["gigpo_gamma"], cfg["gigpo_step_weight"],
                                                  "none" if scale == "none" else "group")
         else:
-            kept, group_stats = compute_advantages(samples, cfg["algo"], cfg["drop_zero_var"], scale,
+            trainable = filled.kept if filled else samples
+            kept, group_stats = compute_advantages(trainable, cfg["algo"], cfg["drop_zero_var"], scale,
                                                    C.all_sum, std_floor=cfg["std_floor"])
+            if filled:  # the freeze as without the filter: over every group generated
+                group_stats.zero_var_frac = filled.zero_var_frac
         mem = {"mem_rollout": C.cuda_peak_gib()}
         trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every: the others sit still
         kept = [s for s in kept if s.role in trained]
@@ -757,6 +795,9 @@ def main(argv):
         rec = step_record(cfg, step, roles, step_stats, updates, opts, dlogp_hist, master)
         if len(trained) < len(roles):
             rec["trained_roles"] = sorted(trained)
+        if filled:
+            rec["rollouts"] = C.all_sum([float(filled.rollouts)])[0] / world
+            rec["trained_samples"] = int(C.all_sum([float(len(kept))])[0])
         rec.update(t_gen=timer.get("gen", 0.0), t_env=timer.get("env", 0.0), t_train=t2 - t1,
                    t_sync=t3 - t2, t_step=t3 - t0, time=time.time() - t_run)
         done_here = step + 1 - start.step
