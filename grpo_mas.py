@@ -50,9 +50,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         raise ValueError(f"std_floor {std_floor!r} must be >= 0: use --std_floor 0 (off) or a reward-unit floor "
                          "such as 0.25")
     # 1. the groups: the samples that share a baseline
-    groups = defaultdict(list)
-    for s in samples:
-        groups[KEYS[algo](s)].append(s)
+    groups = groups_of(samples, algo)
     # 2. each group's values, one per unit the statistics count (grpo: one return per trajectory and
     # agent)
     values = {key: group_values(group, algo) for key, group in groups.items()}
@@ -67,8 +65,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     kept, zero_var, sizes = [], 0, []
     for key, group in groups.items():
         x = values[key]
-        mean = sum(x) / len(x)
-        std = math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
+        mean, std = sum(x) / len(x), population_std(x)
         if scale == "none":
             divisor = 1.0
         elif scale == "group":
@@ -78,9 +75,9 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         for s in group:
             s.adv = (VALUE[algo](s) - mean) / divisor
         sizes.append(len(group))
-        if std < 1e-12:  # all K equal: advantage 0, no signal
+        if std < ZERO_VAR:  # all K equal: advantage 0, no signal
             zero_var += 1
-        if not (drop_zero_var and std < 1e-12):
+        if not (drop_zero_var and std < ZERO_VAR):
             kept += group
     stats = GroupStats(groups=len(groups), zero_var_frac=zero_var / max(1, len(groups)),
                        group_size=sum(sizes) / max(1, len(sizes)), dropped=len(samples) - len(kept))
@@ -145,18 +142,27 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
 
-def signal_groups(samples, algo):
-    """The algo's groups whose values are not all equal (they carry a signal), in the order their first
-    sample was generated, and how many groups there were in all."""
+ZERO_VAR = 1e-12  # a group whose values' std is below this has no signal (advantage 0)
+
+
+def groups_of(samples, algo):
+    """{group key: its samples, in generation order} for the algo's key."""
     groups = defaultdict(list)
     for s in samples:
         groups[KEYS[algo](s)].append(s)
-    informative = []
-    for group in groups.values():
-        x = group_values(group, algo)
-        mean = sum(x) / len(x)
-        if math.sqrt(sum((v - mean) ** 2 for v in x) / len(x)) >= 1e-12:  # compute_advantages' test
-            informative.append(group)
+    return groups
+
+
+def population_std(x):
+    mean = sum(x) / len(x)
+    return math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
+
+
+def signal_groups(samples, algo):
+    """The algo's groups whose values are not all equal (they carry a signal), in the order their first
+    sample was generated, and how many groups there were in all."""
+    groups = groups_of(samples, algo)
+    informative = [g for g in groups.values() if population_std(group_values(g, algo)) >= ZERO_VAR]
     return informative, len(groups)
 
 
