@@ -408,6 +408,7 @@ class UpdateStats:
     dlogp: float = 0.0           # |trainer - sampler| log-prob, summed, before this step's updates
     kl_sum: float = 0.0
     entropy_sum: float = 0.0
+    sampled_nll: float = 0.0     # -log p of the sampled tokens at the sampler, summed
     trained_tokens: float = 0.0  # forward/backward tokens (prompts included, once if packed)
     grad_norm: float = 0.0       # the largest over the step's optimizer steps
     opt_steps: int = 0
@@ -475,6 +476,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             stats.kl_sum += st.kl_sum
             stats.entropy_sum += st.entropy_sum
             stats.dlogp += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer
+            stats.sampled_nll -= (b.slp * b.w).sum().item()
         params = [q for g in opt.param_groups for q in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
@@ -587,7 +589,8 @@ def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
         rec[f"tokens_{role}"] = sum(r.tokens.get(role, 0) for r in ranks)
     rec["zero_var_frac"] = sum(r.zero_var_frac for r in ranks) / world
     rec["group_size"] = sum(r.group_size for r in ranks) / world
-    summed = ("tokens", "clip_tokens", "clamped_tokens", "dlogp", "kl_sum", "entropy_sum", "trained_tokens")
+    summed = ("tokens", "clip_tokens", "clamped_tokens", "dlogp", "kl_sum", "entropy_sum", "sampled_nll",
+              "trained_tokens")
     rec["trained_tokens"] = 0.0
     for p, u in enumerate(updates):
         tot = dict(zip(summed, C.all_sum([getattr(u, k) for k in summed])))
@@ -596,6 +599,9 @@ def step_record(cfg, step, roles, mine, updates, opts, dlogp_hist, master):
         rec[f"clip_frac_p{p}"] = tot["clip_tokens"] / tokens
         rec[f"dlogp_p{p}"] = tot["dlogp"] / tokens
         rec[f"clamped_p{p}"] = int(tot["clamped_tokens"])
+        # the sampled tokens' mean -log p: a one-sample estimate of the per-token entropy at the
+        # sampling temperature, free (the sampler returned it); a freeze drives it toward 0
+        rec[f"nll_p{p}"] = tot["sampled_nll"] / tokens
         recent = sorted(dlogp_hist[p][-10:])
         median = recent[len(recent) // 2] if recent else 0.0
         jump = bool(recent) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * median)
