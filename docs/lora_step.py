@@ -29,7 +29,9 @@ CONFIGS = [  # label: train.py flags
     ("one shared full model (the default)", []),
     ("a full model per role", ["--policies", "per_role"]),
     *[(f"LoRA per role, r 16, alpha 32, lr x{m}", ["--policies", "lora", "--lora_lr_mult", m])
-      for m in ("1", "2", "5", "10")],
+      for m in ("1", "2", "3", "5", "10")],
+    ("LoRA per role, r 64, alpha 128, lr x3", ["--policies", "lora", "--lora_rank", "64", "--lora_alpha", "128",
+                                               "--lora_lr_mult", "3"]),
     ("LoRA per role, r 4, alpha 8, lr x10", ["--policies", "lora", "--lora_rank", "4", "--lora_alpha", "8"]),
 ]
 
@@ -65,7 +67,8 @@ def logprobs(model, samples):
 
 
 def one_step(flags, samples):
-    """logp_after - logp_before of every trained token, after one training step of this configuration."""
+    """logp_after - logp_before of every trained token after each optimizer step (a list, the last
+    = after the whole training step) of this configuration."""
     cfg, pols, role_to_policy, _, models, opts, _ = build(flags)
     moved = []
     for p, pol in enumerate(pols):
@@ -76,19 +79,35 @@ def one_step(flags, samples):
         before = logprobs(model, mine)
         for group in opts[p].param_groups:
             group["lr"] = pol.lr
+        after_each = []
+        adam_step = opts[p].step
+
+        def step_and_measure(adam_step=adam_step, model=model, mine=mine, after_each=after_each):
+            adam_step()
+            after_each.append(logprobs(model, mine) - before)
+
+        opts[p].step = step_and_measure
         T.update_policy(model, opts[p], mine, P.settings(cfg, pol), 1, C.DEVICE)
-        moved.append(logprobs(model, mine) - before)
-    return pols[0].lr, torch.cat(moved)
+        moved.append(after_each)
+    # per optimizer step k: every policy's tokens, moved from the start
+    return pols[0].lr, [torch.cat(per_policy) for per_policy in zip(*moved)]
 
 
 def main():
     samples = first_step_samples()
     print(f"{len(samples)} samples, {sum(len(s.response_ids) for s in samples)} response tokens")
-    print("| configuration | lr | mean abs dlogp | max | share outside [0.8, 1.2] |\n|---|---|---|---|---|")
+    print("| configuration | lr | mean abs dlogp | max | share outside [0.8, 1.2] "
+          "| after optimizer step 1, 2, 3, 4 | moved by step 1, 2, 3, 4 |\n|---|---|---|---|---|---|---|")
     for label, flags in CONFIGS:
-        lr, d = one_step(flags, samples)
+        lr, after_each = one_step(flags, samples)
+        d = after_each[-1]
         outside = ((d.exp() > 1.2) | (d.exp() < 0.8)).float().mean()
-        print(f"| {label} | {lr:.1e} | {d.abs().mean():.4f} | {d.abs().max():.3f} | {outside:.3f} |", flush=True)
+        # from the start after each optimizer step, and by that optimizer step alone
+        cumulative = " / ".join(f"{a.abs().mean():.3f}" for a in after_each)
+        by_step = [after_each[0]] + [b - a for a, b in zip(after_each, after_each[1:])]
+        increments = " / ".join(f"{x.abs().mean():.3f}" for x in by_step)
+        print(f"| {label} | {lr:.1e} | {d.abs().mean():.4f} | {d.abs().max():.3f} | {outside:.3f} "
+              f"| {cumulative} | {increments} |", flush=True)
 
 
 if __name__ == "__main__":
