@@ -22,17 +22,15 @@ def usage(source, defaults, presets=None):
     """Every flag of the `# config:` block of `source` (a script's path): its default, its comment, and
     the presets that give it another value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
     block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
-    out, last = [], None
+    flags = []  # [name, default, comment], the comment with its continuation lines
     for line in block.splitlines():
         m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
-        if m and m.group(1) in defaults:
-            name, default, comment = m.groups()
-            note = preset_note(name, defaults[name], presets or {})
-            out.append(f"  --{name:<24} {default:<10} {comment or ''}{note}")
-            last = len(out) - 1
-        elif line.strip().startswith("#") and last is not None and line.startswith(" "):  # a comment's continuation
-            out[last] += " " + line.strip()[2:]
-    return "\n".join(out)
+        if m:  # a flag of this script, or None: a name it does not take (its comment is skipped too)
+            flags.append(list(m.groups("")) if m.group(1) in defaults else None)
+        elif line.startswith(" ") and line.strip().startswith("#") and flags and flags[-1]:
+            flags[-1][2] += " " + line.strip()[2:]  # a comment's continuation
+    return "\n".join(f"  --{name:<24} {default:<10} {comment}{preset_note(name, defaults[name], presets or {})}"
+                     for name, default, comment in filter(None, flags))
 
 
 def preset_note(name, default, presets):

@@ -32,6 +32,7 @@ the loss), test_tree_invariants_sequential (a recorded tree replayed from its sa
 test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
 import collections
+import itertools
 import json
 import math
 import os
@@ -3330,6 +3331,18 @@ def test_help_lists_every_flag_with_default_and_comment(capsys):
         lines = {l.split()[0][2:]: l for l in capsys.readouterr().out.splitlines() if l.startswith("  --")}
         assert set(lines) == set(keys)
         assert all(len(l.split()) >= 3 for l in lines.values())  # name, default, a comment
+        # a comment continued on the lines below its flag belongs to that flag only, before the presets' note
+        # (eval.py's --engine used to end with --stop_step's continuation, a flag eval.py does not have)
+        src = open(T.__file__).read().splitlines()
+        for i, line in enumerate(src):
+            more = [l.strip()[2:] for l in itertools.takewhile(lambda l: l.startswith(" ") and l.strip().startswith("#"),
+                                                                 src[i + 1:])]
+            name = line.split(" = ")[0]
+            if not more or " = " not in line or not name.isidentifier():
+                continue
+            for flag, text in lines.items():
+                head = text.split(" [")[0]
+                assert all((m in head) == (flag == name) for m in more), (flag, name, more)
 
 
 def test_eta_respects_the_time_limit():
