@@ -1,12 +1,18 @@
 """How far one training step moves the policy: the full model against LoRA adapters, on the same samples.
 
     python docs/lora_step.py          # seed 0's first step of the tiny default (about 5 minutes on 2 cores)
+    python docs/lora_step.py --first_update   # where the first optimizer step points (about 2 minutes)
 
 The samples are the tiny default's first step (seed 0, its cached base under runs/, built if missing): 16 envs,
 the tree rollout, AT-GRPO's advantages. Each configuration starts from the same base and takes that one step
 (its optimizer steps, its lr) on them; the line says how far its log-probs of those tokens moved: mean and max
 |logp_after - logp_before| per token, and the share of tokens whose ratio left PPO's clip range [0.8, 1.2].
-A LoRA adapter starts at B = 0 (the base exactly), so every configuration starts from the same policy."""
+A LoRA adapter starts at B = 0 (the base exactly), so every configuration starts from the same policy.
+
+--first_update: the first optimizer step alone, as a change dW of every adapted weight (LoRA: of W + (alpha/r) B A),
+against the loss's gradient g of those weights at the base (a full model per role computes it; the same base and the
+same first mini-batch, so the same point): the step's size |dW|, its cosine with -g, and the first-order drop of the
+loss it buys, -<g, dW>."""
 import copy
 import os
 import random
@@ -16,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 import torch  # noqa: E402
+
+import model as M  # noqa: E402
 
 import common as C  # noqa: E402
 import envs as E  # noqa: E402
@@ -93,8 +101,60 @@ def one_step(flags, samples):
     return pols[0].lr, [torch.cat(per_policy) for per_policy in zip(*moved)]
 
 
+class FirstStepTaken(Exception):
+    pass
+
+
+def first_update(flags, samples):
+    """{weight's path: (dW of the first optimizer step, the gradient at the base)} over both policies."""
+    cfg, pols, role_to_policy, _, models, opts, _ = build(flags)
+    out = {}
+    for p, pol in enumerate(pols):
+        mine = [copy.copy(s) for s in samples if role_to_policy[s.role] == p]
+        for s in mine:
+            s.policy = p
+        model = P.use_policy(models, pols, p)
+        linears = {n: m for n, m in model.named_modules() if n.split(".")[-1] in M.LORA_TARGETS}
+
+        def weight(m):  # LoRA: the active adapter merged in
+            return (m.merged_weight() if isinstance(m, M.LoRALinear) else m.weight).detach().clone()
+
+        before = {n: weight(m) for n, m in linears.items()}
+        for group in opts[p].param_groups:
+            group["lr"] = pol.lr
+        adam_step = opts[p].step
+
+        def step_once(adam_step=adam_step, linears=linears, before=before, p=p):
+            grads = {n: m.weight.grad for n, m in linears.items()}  # None where W is frozen (LoRA)
+            adam_step()
+            for n, m in linears.items():
+                g = grads[n].clone() if grads[n] is not None else None
+                out[f"p{p}.{n}"] = (weight(m) - before[n], g)
+            raise FirstStepTaken
+
+        opts[p].step = step_once
+        try:
+            T.update_policy(model, opts[p], mine, P.settings(cfg, pol), 1, C.DEVICE)
+        except FirstStepTaken:
+            pass
+    return out
+
+
+def print_first_update(samples):
+    full = first_update(["--policies", "per_role"], samples)
+    grad = torch.cat([g.flatten() for _, g in full.values()])
+    print("| configuration | lr | abs dW | cosine(dW, -g) | first-order loss drop -<g, dW> |\n|---|---|---|---|---|")
+    for label, flags in CONFIGS[1:]:
+        dw = torch.cat([d.flatten() for d, _ in first_update(flags, samples).values()])
+        lr = T.configure(["--engine", "torch"] + flags)["role_defaults"]["lr"]
+        cos = -(dw @ grad) / (dw.norm() * grad.norm())
+        print(f"| {label} | {lr:.1e} | {dw.norm():.4f} | {cos:.3f} | {-(dw @ grad):.2e} |", flush=True)
+
+
 def main():
     samples = first_step_samples()
+    if "--first_update" in sys.argv:
+        return print_first_update(samples)
     print(f"{len(samples)} samples, {sum(len(s.response_ids) for s in samples)} response tokens")
     print("| configuration | lr | mean abs dlogp | max | share outside [0.8, 1.2] "
           "| after optimizer step 1, 2, 3, 4 | moved by step 1, 2, 3, 4 |\n|---|---|---|---|---|---|---|")
