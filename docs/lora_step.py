@@ -36,12 +36,14 @@ from rollout import Agents, Sampling, tree_rollout  # noqa: E402
 CONFIGS = [  # label: train.py flags
     ("one shared full model (the default)", []),
     ("a full model per role", ["--policies", "per_role"]),
-    *[(f"LoRA per role, r 16, alpha 32, lr x{m}", ["--policies", "lora", "--lora_lr_mult", m])
+    *[(f"LoRA per role, r 16, alpha 32, lr x{m}", ["--policies", "lora", "--lora_rank", "16", "--lora_alpha", "32",
+                                                   "--lora_lr_mult", m])
       for m in ("1", "2", "3", "5", "10")],
-    ("LoRA per role, r 64, alpha 128, lr x3", ["--policies", "lora", "--lora_rank", "64", "--lora_alpha", "128",
-                                               "--lora_lr_mult", "3"]),
-    ("LoRA per role, r 4, alpha 8, lr x10", ["--policies", "lora", "--lora_rank", "4", "--lora_alpha", "8"]),
-]
+    ("LoRA per role, r 64, alpha 128, lr x3 (the tiny preset)", ["--policies", "lora", "--lora_rank", "64",
+                                                                 "--lora_alpha", "128", "--lora_lr_mult", "3"]),
+    ("LoRA per role, r 4, alpha 8, lr x10", ["--policies", "lora", "--lora_rank", "4", "--lora_alpha", "8",
+                                             "--lora_lr_mult", "10"]),
+]  # every LoRA value explicit: the rows stay what they say when the preset changes
 
 
 def build(flags):
