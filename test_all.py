@@ -3600,7 +3600,8 @@ def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir):
         ("tool", "tiny", "", lr0, mbt0, mb0),
         ("plan", "tiny", "", lr0, mbt0, mb0),
     ]
-    assert [(p[2], p[3]) for p in res("--policies", "lora")[0]] == [("tool", 10.0 * lr0), ("plan", 10.0 * lr0)]
+    lora_lr = 3.0 * lr0  # the tiny preset: 3x at rank 64
+    assert [(p[2], p[3]) for p in res("--policies", "lora")[0]] == [("tool", lora_lr), ("plan", lora_lr)]
     hetero, r2p = res(
         "--policy", "tool=tiny-small", "--policy=plan=tiny", "--lr", "tool=1e-3,plan=2e-4", "--minibatches", "plan=2"
     )
