@@ -3373,8 +3373,8 @@ def test_help_lists_every_flag_with_default_and_comment(capsys):
         # (eval.py's --engine used to end with --stop_step's continuation, a flag eval.py does not have)
         src = open(T.__file__).read().splitlines()
         for i, line in enumerate(src):
-            more = [l.strip()[2:] for l in itertools.takewhile(lambda l: l.startswith(" ") and l.strip().startswith("#"),
-                                                                 src[i + 1:])]
+            continued = lambda l: l.startswith(" ") and l.strip().startswith("#")
+            more = [l.strip()[2:] for l in itertools.takewhile(continued, src[i + 1:])]
             name = line.split(" = ")[0]
             if not more or " = " not in line or not name.isidentifier():
                 continue
