@@ -76,19 +76,24 @@ def logprobs(model, samples):
     return torch.cat([lp[i, :len(r.tgt)] for i, r in enumerate(rows)])
 
 
+def policy_batch(samples, role_to_policy, models, opts, pols, p):
+    """Policy p's share of the samples (marked as its own), its model, its optimizer at its lr."""
+    mine = [copy.copy(s) for s in samples if role_to_policy[s.role] == p]
+    for s in mine:
+        s.policy = p
+    for group in opts[p].param_groups:
+        group["lr"] = pols[p].lr
+    return mine, P.use_policy(models, pols, p)
+
+
 def one_step(flags, samples):
     """logp_after - logp_before of every trained token after each optimizer step (a list, the last
     = after the whole training step) of this configuration."""
     cfg, pols, role_to_policy, _, models, opts, _ = build(flags)
     moved = []
     for p, pol in enumerate(pols):
-        mine = [copy.copy(s) for s in samples if role_to_policy[s.role] == p]
-        for s in mine:
-            s.policy = p
-        model = P.use_policy(models, pols, p)
+        mine, model = policy_batch(samples, role_to_policy, models, opts, pols, p)
         before = logprobs(model, mine)
-        for group in opts[p].param_groups:
-            group["lr"] = pol.lr
         after_each = []
         adam_step = opts[p].step
 
@@ -112,18 +117,13 @@ def first_update(flags, samples):
     cfg, pols, role_to_policy, _, models, opts, _ = build(flags)
     out = {}
     for p, pol in enumerate(pols):
-        mine = [copy.copy(s) for s in samples if role_to_policy[s.role] == p]
-        for s in mine:
-            s.policy = p
-        model = P.use_policy(models, pols, p)
+        mine, model = policy_batch(samples, role_to_policy, models, opts, pols, p)
         linears = {n: m for n, m in model.named_modules() if n.split(".")[-1] in M.LORA_TARGETS}
 
         def weight(m):  # LoRA: the active adapter merged in
             return (m.merged_weight() if isinstance(m, M.LoRALinear) else m.weight).detach().clone()
 
         before = {n: weight(m) for n, m in linears.items()}
-        for group in opts[p].param_groups:
-            group["lr"] = pol.lr
         adam_step = opts[p].step
 
         def step_once(adam_step=adam_step, linears=linears, before=before, p=p):
