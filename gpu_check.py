@@ -1,5 +1,5 @@
 """
-The GPU check: the first thing to run on a GPU, sized for a few minutes of it (about 6-8 minutes on one
+The GPU check: the first thing to run on a GPU, sized for a few minutes of it (5.1 minutes on one
 H100, most of it model loads and checkpoint writes). Each part prints one verdict line, ok / FAILED /
 skipped (and why), and the numbers go to a json file.
 
@@ -11,8 +11,9 @@ Parts, in order:
   tests     the CUDA tests of test_all.py (pytest -m cuda; the vLLM ones skip without vLLM)
   step      one training step of a Qwen3-0.6B-shaped model (random weights, --engine torch) with its
             checkpoint, then a resumed second step; a 1.7B-shaped step; each phase's peak GPU memory
-            against the memory plan's (memory.py)
-  policies  a --policies per_role step and a --policies lora step (0.6B shape)
+            against the memory plan's (memory.py); a gradient norm above 0 (an entropy bonus: see STEP)
+  policies  a --policies per_role step and a --policies lora step (0.6B shape), every policy's
+            gradient norm above 0
   mfu       fwd+bwd+AdamW of the 1.7B shape at 4096 tokens through FSDP2: tokens/s and MFU
             (PEAK_TFLOPS, default 989: an H100 SXM's dense bf16)
   vllm      a training step with --engine vllm (0.6B shape): sleep, update, sync, sample; skipped
@@ -32,10 +33,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PARTS = ("tests", "step", "policies", "mfu", "vllm")
-# small, quick steps: a turn, 4 envs x K 2, short answers, the paper preset otherwise
+# small, quick steps: a turn, 4 envs x K 2, short answers, the paper preset otherwise. Random weights
+# answer nothing parseable, so every reward is the format penalty, every advantage 0 and so every
+# gradient (the first GPU check's steps all had grad norm 0): the entropy bonus gives each step a
+# nonzero gradient through the whole model, so a backward that computes nothing cannot pass.
 STEP = ["--task", "plan", "--engine", "torch", "--turns", "1", "--envs_per_step", "4", "--K", "2",
         "--max_new_tokens", "32", "--max_prompt_tokens", "1536", "--max_model_len", "1600",
-        "--eval_every", "0", "--time_limit_min", "0"]
+        "--eval_every", "0", "--time_limit_min", "0", "--entropy_coef", "0.01"]
 
 
 def verdict(results, part, ok, line, **numbers):
@@ -61,6 +65,12 @@ def model_folder(work, size):
 def last_record(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return json.loads(f.readlines()[-1])
+
+
+def grad_norms(rec):
+    """Every policy's gradient norm in a step record, and whether each is a number above 0."""
+    norms = [rec[k] for k in sorted(rec) if k.startswith("grad_norm_p")]
+    return norms, bool(norms) and all(0 < n < float("inf") for n in norms)
 
 
 def memory_against_plan(model_dir, extra):
@@ -92,6 +102,7 @@ def check_step(results, work):
         first = last_record(out)
         plan = memory_against_plan(model_dir, [])
         peaks = {k: first[f"mem_{k}"] for k in ("rollout", "train", "sync") if f"mem_{k}" in first}
+        norms, moved = grad_norms(first)
         within = all(peaks[k] <= plan[k] for k in peaks)
         numbers = dict(step_s=time.time() - t0, peak_gib=peaks, plan_gib={k: plan[k] for k in peaks}, record=first)
         if resume:
@@ -102,9 +113,10 @@ def check_step(results, work):
                         output=log, **numbers)
                 continue
             numbers["resumed"] = last_record(out)
-        line = (f"{size}: step {numbers['step_s']:.0f}s; peak GiB " + ", ".join(
+        line = (f"{size}: step {numbers['step_s']:.0f}s; grad norm {norms[0]:.3g}; peak GiB " + ", ".join(
             f"{k} {peaks[k]:.1f} (plan {plan[k]:.1f})" for k in peaks) + ("; resumed step 2" if resume else ""))
-        verdict(results, f"step {size}", within, line + ("" if within else ": above the plan"), **numbers)
+        problems = ("" if within else ": above the plan") + ("" if moved else ": no gradient")
+        verdict(results, f"step {size}", within and moved, line + problems, **numbers)
 
 
 def check_policies(results, work):
@@ -117,8 +129,8 @@ def check_policies(results, work):
             verdict(results, design, False, " | ".join(log[-3:]), output=log)
             continue
         rec = last_record(out)
-        norms = [rec[k] for k in rec if k.startswith("grad_norm_p")]
-        verdict(results, design, all(n == n for n in norms),  # NaN is the failure a step can hide
+        norms, moved = grad_norms(rec)  # 0 or NaN: the failures a step can hide
+        verdict(results, design, moved,
                 f"--policies {design}: {len(norms)} policies, grad norms {', '.join(f'{n:.3g}' for n in norms)}",
                 record=rec)
 

@@ -931,6 +931,26 @@ def test_gpu_benchmark_and_check_start_here(tiny_dir):
             r = subprocess.run([PY, *args], cwd=HERE, capture_output=True, text=True, timeout=120)
             assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
             assert len(r.stderr.strip().splitlines()) == 1
+    # gpu_check.py's tests part is `pytest -m cuda`: it must hold every CUDA test, the flex-mask one too
+    r = subprocess.run([PY, "-m", "pytest", "-q", "-m", "cuda", "--collect-only", "test_all.py"], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    assert "test_packed_flex_mask_equals_dense_mask_cuda[tiny-default]" in r.stdout, r.stdout[-2000:]
+
+
+def test_gpu_check_steps_carry_a_gradient(tiny_dir, tmp_path):
+    """gpu_check.py's steps run random weights, whose answers all get the format penalty: with zero
+    advantages every gradient was 0 and the first GPU check said ok over steps that trained nothing. Its
+    flags (the entropy bonus) must give every policy a gradient above 0: the same steps on the tiny model."""
+    import gpu_check
+    for design in ("shared", "lora"):
+        out = str(tmp_path / design)
+        r = subprocess.run([PY, "train.py", "--model", tiny_dir, *gpu_check.STEP, "--steps", "1", "--ckpt_every",
+                            "0", "--policies", design, "--out_dir", out], cwd=HERE, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rec = gpu_check.last_record(out)
+        norms, moved = gpu_check.grad_norms(rec)
+        assert rec["zero_var_frac"] == 1.0 and moved and len(norms) == (1 if design == "shared" else 2), rec
 
 
 def test_compiled_layers_same_loss_as_eager(tiny_dir):
@@ -953,7 +973,13 @@ def test_compiled_layers_same_loss_as_eager(tiny_dir):
 # -----------------------------------------------------------------------------
 # [cuda] CUDA only (skipped without a GPU; on a GPU box: `python -m pytest -q test_all.py -m cuda`)
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+def needs_cuda(fn):
+    """Skipped without a GPU and marked `cuda` wherever it sits, so `pytest -m cuda` (gpu_check.py's
+    tests part) runs every GPU test, also those in other sections (the flex-mask test in [rollouts])."""
+    return pytest.mark.cuda(_no_cuda(fn))
 needs_vllm = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None,
                                 reason="needs vLLM (setup.sh installs it; a bare GPU box may not have it)")
 
