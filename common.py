@@ -119,7 +119,11 @@ def setup_dist(timeout_min=60.0):
     from datetime import timedelta
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= gpus:  # else CUDA's "invalid device ordinal" from deep inside the first collective
+            raise SystemExit(f"local rank {local_rank} has no GPU of its own (torch sees {gpus}): start torchrun with "
+                             f"--nproc_per_node={gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) for CPU ranks")
+        torch.cuda.set_device(local_rank)
         DEVICE = torch.device("cuda", torch.cuda.current_device())
     timeout = timedelta(minutes=timeout_min)
     dev = DEVICE if cuda else None  # binds NCCL to this GPU: barrier() then knows it

@@ -330,14 +330,25 @@ class _MathChecker:
             self.proc.wait()
         self.proc = None
 
+    def _start(self):
+        """A worker that cannot start (math-verify missing) would make every answer wrong: stop with the fix."""
+        self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            ready = self._read(120.0)  # importing sympy takes seconds on a busy machine
+        except EOFError:
+            ready = ""
+        if ready != "ready":
+            self._stop()
+            why = subprocess.run([sys.executable, "-c", "import math_verify"], capture_output=True, text=True)
+            raise RuntimeError("the math checker could not start (" + (why.stderr.strip().splitlines() or
+                               ["its worker exited"])[-1] + "): run ./setup.sh, or pip install math-verify")
+
     def check(self, gold, pred, timeout):
         with self.lock:
             try:
                 if self.proc is None or self.proc.poll() is not None:
-                    self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER], stdin=subprocess.PIPE,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                    if self._read(120.0) != "ready":  # importing sympy takes seconds on a busy machine
-                        raise EOFError
+                    self._start()
                 self.proc.stdin.write(json.dumps([gold, pred]) + "\n")
                 self.proc.stdin.flush()
                 return json.loads(self._read(timeout)) is True
