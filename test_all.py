@@ -947,7 +947,8 @@ def test_the_suite_is_right_where_torch_sees_a_gpu(tmp_path):
              "test_stale_engine_shows_in_dlogp"]
     r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "gpu_box", "-k", " or ".join(names), "test_all.py"],
                        cwd=HERE, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PYTHONPATH": f"{tmp_path}:{HERE}", "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}:{HERE}",
+                            "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     ran = len(names) - (__import__("importlib").util.find_spec("vllm") is None)  # needs_vllm skips one on a bare box
     assert r.returncode == 0 and f"{ran} passed" in r.stdout, r.stdout[-3000:]
 
@@ -3351,7 +3352,10 @@ def test_train_and_eval_run_the_search_and_solver_verifier_workflows(tmp_path, t
 # -----------------------------------------------------------------------------
 # [train] train.py end to end (tiny model; torch engine for the matrix, vLLM for the default path)
 
-SMOKE = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
+# random weights (no warm-up): every group has zero variance, so the Plan-Path default's dynamic sampling would
+# keep none and train nothing; these runs test the rest of the step (the refill has tests of its own)
+SMOKE = ["--dynamic_sampling", "0",
+         "--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
          "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
 
 
@@ -3467,6 +3471,21 @@ def test_eta_respects_the_time_limit():
     # resumed after 10 minutes of training: this process did 10 steps in 60 s, the run has used 11 of its 15 minutes
     assert C.eta_seconds({"steps": 400, "time_limit_min": 15.0}, 110, 10, 60.0, 660.0) == pytest.approx(900 - 660 + 6)
     assert C.eta_seconds({"steps": 400, "stop_step": 20, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(10 * 6)
+
+
+def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
+    """The tiny Plan-Path default refills zero-variance groups (DAPO's dynamic sampling, up to 3 rollouts a step:
+    on ten fresh seeds it kept the freezes off, docs/results.md); GiGPO, whose step groups it cannot filter, runs
+    without it unless asked, and asking is refused with the reason; the other tiny tasks keep it off."""
+    import train as T
+    assert T.configure([])["dynamic_sampling"] == 3
+    assert T.configure(["--algo", "grpo"])["dynamic_sampling"] == 3
+    assert T.configure(["--algo", "gigpo"])["dynamic_sampling"] == 0
+    assert T.configure(["--dynamic_sampling", "0"])["dynamic_sampling"] == 0
+    assert T.configure(["--task", "search"])["dynamic_sampling"] == 0
+    assert T.configure(["--task", "math"])["dynamic_sampling"] == 0
+    with pytest.raises(SystemExit, match="gigpo has two"):
+        T.configure(["--algo", "gigpo", "--dynamic_sampling", "3"])
 
 
 def test_lr_schedule_matches_torch_schedulers():
@@ -3640,7 +3659,7 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys):
     first rollout's number of groups, and the log and the step line say how many rollouts it made."""
     import train as T
     args = SMOKE + ["--warmup_steps", "20", "--envs_per_step", "4", "--steps", "3", "--K", "3"]
-    T.main(args + ["--out_dir", str(tmp_path / "plain")])
+    T.main(args + ["--dynamic_sampling", "0", "--out_dir", str(tmp_path / "plain")])
     T.main(args + ["--dynamic_sampling", "3", "--out_dir", str(tmp_path / "dyn")])
     plain, dyn = ([json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("plain", "dyn"))
     first = dyn[0]  # step 1: the same model and seeds, so the same first rollout
@@ -4020,7 +4039,8 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
     if policies == "lora":
         assert (out / "ckpt" / "adapter-plan" / "adapter_model.safetensors").exists()
         assert any(r["grad_norm_p1"] > 0 for r in steps)
-    _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=CPU_RANKS)  # each rank reads its own shards back
+    # each rank reads its own shards back
+    _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=CPU_RANKS)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
 

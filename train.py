@@ -163,6 +163,8 @@ PRESETS = {
     "paper-search": dict(turns=4, max_new_tokens=800, max_prompt_tokens=4096, max_model_len=4896,
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
+    # Plan-Path: DAPO's refill keeps the freezes off (docs/results.md, "Dynamic sampling from step 0")
+    "tiny-plan": {**TINY, "dynamic_sampling": 3},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
@@ -204,6 +206,9 @@ def configure(argv):
     for k, v in overrides.items():
         if k not in given:
             cfg[k] = v
+    # a preset's dynamic sampling filters one kind of group, and gigpo has two: off unless asked for
+    if cfg["algo"] == "gigpo" and "dynamic_sampling" not in given:
+        cfg["dynamic_sampling"] = 0
     # a per-role flag's value for the roles it does not name: the preset's
     cfg["role_defaults"] = {k: overrides.get(k, FLAGS[k]) for k in P.PER_ROLE_FLAGS}
     # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
@@ -236,7 +241,8 @@ def default_preset(task, tiny):
     """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku)
     without."""
     if tiny:
-        return {"sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku", "search": "tiny-search"}.get(task, "tiny")
+        return {"plan": "tiny-plan", "sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku",
+                "search": "tiny-search"}.get(task, "tiny")
     return {"math": "paper-math", "code": "paper-code", "search": "paper-search"}.get(task, "paper")
 
 
