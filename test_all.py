@@ -753,7 +753,7 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     # whole run (--batch_std_steps applies to --scale_rewards group only); the compact Sokoban and Sudoku keep the
     # schedule they were measured with (the step's std for 60 steps, the group's after)
     assert real["batch_std_steps"] == 0 and real["scale_rewards"] == "group"
-    assert tiny["scale_rewards"] == "batch" and tiny["preset"] == "tiny" and real["preset"] == "paper"
+    assert tiny["scale_rewards"] == "batch" and tiny["preset"] == "tiny-plan" and real["preset"] == "paper"
     for game in ("sokoban", "sudoku"):
         g = T.configure(["--task", game])
         assert g["scale_rewards"] == "group" and g["batch_std_steps"] == 60
