@@ -182,7 +182,7 @@ def bench_train(n_rollouts=3, repeats=5):
     from policies import make_engine
     from rollout import Agents, every_role, tree_rollout
     from transformers import AutoTokenizer
-    cfg = T.configure([])  # the CPU default (preset tiny)
+    cfg = T.configure([])  # the CPU default (preset tiny-plan; its rollouts here are plain, no refill)
     base = tiny.base_path(cfg)
     tiny.build_base(base, cfg)  # cached: the same base every default run starts from
     tok = AutoTokenizer.from_pretrained(base)
