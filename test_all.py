@@ -922,6 +922,18 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
     assert (small["kv_gib"] - big["kv_gib"]) * 2 ** 30 == pytest.approx(40 * (1024 - 256) * cfg.vocab_size)
 
 
+def test_math_without_math_verify_stops_before_loading(monkeypatch):
+    """--task math on a machine without math-verify stops at configure, before anything loads (the checker's own
+    stop, tested above, would come only at the first reward)."""
+    import importlib.util
+    import train as T
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(SystemExit, match="pip install math-verify"):
+        T.configure(["--task", "math"])
+    T.configure(["--task", "plan"])  # the other tasks do not need it
+
+
 def test_more_ranks_than_gpus_stop_with_the_fix(monkeypatch):
     """torchrun --nproc_per_node=2 on a one-GPU box: rank 1 died in CUDA's "invalid device ordinal" inside the
     device mesh (on an H100, the two-rank tests did). setup_dist now stops with the fix (GPU box emulated)."""

@@ -238,8 +238,8 @@ def fit_sampling(cfg, prefix, context):
 
 
 def default_preset(task, tiny):
-    """paper (paper-math, paper-code) with a real model; tiny (tiny-sokoban, tiny-sudoku)
-    without."""
+    """paper (paper-math, paper-code, paper-search) with a real model; tiny-plan (tiny-sokoban,
+    tiny-sudoku, tiny-search; tiny for code and math) without."""
     if tiny:
         return {"plan": "tiny-plan", "sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku",
                 "search": "tiny-search"}.get(task, "tiny")
@@ -314,6 +314,9 @@ def check(cfg, given):
     if unknown:
         raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role {unknown[0]!r}; "
                          f"its roles are {', '.join(P.task_roles(cfg))}")
+    if cfg["task"] == "math" and __import__("importlib").util.find_spec("math_verify") is None:
+        raise SystemExit("--task math scores answers with math-verify, which is not installed: run ./setup.sh, or "
+                         "pip install math-verify")
     if cfg["dynamic_sampling"] and cfg["algo"] == "gigpo":
         raise SystemExit("--dynamic_sampling filters one kind of group, and gigpo has two (episodes and anchor "
                          "states): use it with --algo at_grpo, grpo or dr_mas, or drop it")
