@@ -33,6 +33,7 @@ test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
 import collections
 import itertools
+import importlib.util
 import json
 import math
 import os
@@ -66,13 +67,14 @@ def tiny_dir(tmp_path_factory):
 
 
 NO_VLLM = "needs vLLM (setup.sh installs it; a bare GPU box may not have it)"
-needs_vllm = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason=NO_VLLM)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)
 
 
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_dir):
     from policies import make_engine
-    if __import__("importlib").util.find_spec("vllm") is None:
+    if not HAS_VLLM:
         pytest.skip(NO_VLLM)
     return make_engine("vllm", tiny_dir, seed=0, max_len=1024)
 
@@ -961,7 +963,7 @@ def test_the_suite_is_right_where_torch_sees_a_gpu(tmp_path):
                        cwd=HERE, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{HERE}",
                             "PATH": f"{tmp_path}:{os.environ['PATH']}"})
-    ran = len(names) - (__import__("importlib").util.find_spec("vllm") is None)  # needs_vllm skips one on a bare box
+    ran = len(names) - (not HAS_VLLM)  # needs_vllm skips one on a bare box
     assert r.returncode == 0 and f"{ran} passed" in r.stdout, r.stdout[-3000:]
 
 

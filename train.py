@@ -27,6 +27,7 @@ What this script simplifies, and why:
     format only (tiny.py) on a compact game, through the same code path, with its own preset (why
     each value differs from the paper's: docs/design.md, "The tiny default").
 """
+import importlib.util
 import json
 import math
 import os
@@ -314,7 +315,7 @@ def check(cfg, given):
     if unknown:
         raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role {unknown[0]!r}; "
                          f"its roles are {', '.join(P.task_roles(cfg))}")
-    if cfg["task"] == "math" and __import__("importlib").util.find_spec("math_verify") is None:
+    if cfg["task"] == "math" and importlib.util.find_spec("math_verify") is None:
         raise SystemExit("--task math scores answers with math-verify, which is not installed: run ./setup.sh, or "
                          "pip install math-verify")
     if cfg["dynamic_sampling"] and cfg["algo"] == "gigpo":
