@@ -959,9 +959,10 @@ def test_the_suite_is_right_where_torch_sees_a_gpu(tmp_path):
              "test_vllm_on_cuda_is_sized_for_the_run", "test_policies_resolve_role_maps_settings_and_misuse",
              "test_torch_sampler_statistics", "test_roles_of_one_policy_sample_and_train_at_their_own_temperatures",
              "test_stale_engine_shows_in_dlogp"]
+    extra = os.environ.get("PYTHONPATH", "")  # keep where this box's packages live (math-verify, on the H100)
     r = subprocess.run([PY, "-m", "pytest", "-q", "-p", "gpu_box", "-k", " or ".join(names), "test_all.py"],
                        cwd=HERE, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PYTHONPATH": f"{tmp_path}:{HERE}",
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), HERE, extra]),
                             "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     ran = len(names) - (not HAS_VLLM)  # needs_vllm skips one on a bare box
     assert r.returncode == 0 and f"{ran} passed" in r.stdout, r.stdout[-3000:]
