@@ -3501,6 +3501,9 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
     assert T.configure(["--task", "math"])["dynamic_sampling"] == 0
     with pytest.raises(SystemExit, match="gigpo has two"):
         T.configure(["--algo", "gigpo", "--dynamic_sampling", "3"])
+    # the run's first line shows it (it listed only tiny's keys, so the default's refill went unprinted)
+    assert "dynamic_sampling 3" in T.config_line(T.configure([]))
+    assert "dynamic_sampling" not in T.config_line(T.configure(["--task", "sokoban"]))
 
 
 def test_lr_schedule_matches_torch_schedulers():

@@ -247,6 +247,12 @@ def default_preset(task, tiny):
     return {"math": "paper-math", "code": "paper-code", "search": "paper-search"}.get(task, "paper")
 
 
+def config_line(cfg):
+    """The run's first line: its preset and the values presets set (tiny's keys and the preset's own)."""
+    keys = {**TINY, **PRESETS[cfg["preset"]]}
+    return f"config: preset {cfg['preset']}; " + ", ".join(f"{k} {cfg[k]}" for k in keys)
+
+
 def help_text():
     return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
             + C.usage(__file__, FLAGS, PRESETS)
@@ -681,8 +687,7 @@ def main(argv):
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
     master = rank == 0
     if master:
-        recipe = ", ".join(f"{k} {cfg[k]}" for k in TINY)
-        print(f"config: preset {cfg['preset']}; {recipe}", flush=True)
+        print(config_line(cfg), flush=True)
         print(P.optimizer_steps_line(cfg), flush=True)
         print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in s.items())
                                        for r, s in cfg["role_sampling"].items()), flush=True)
