@@ -927,7 +927,6 @@ def test_vllm_on_cuda_is_sized_for_the_run(tiny_dir, monkeypatch):
 def test_math_without_math_verify_stops_before_loading(monkeypatch):
     """--task math on a machine without math-verify stops at configure, before anything loads (the checker's own
     stop, tested above, would come only at the first reward)."""
-    import importlib.util
     import train as T
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
