@@ -175,24 +175,41 @@ class Filled:
     zero_var_frac: float   # of every group generated: the freeze, as without the filter
 
 
-def dapo_fill(first, more, algo, max_rollouts, all_sum=lambda v: v):
+def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v: v):
     """DAPO's dynamic sampling (Yu et al. 2025; verl recipe/dapo/dapo_ray_trainer.py, filter_groups):
     keep only the groups with a signal; while they number fewer than the groups of the first rollout
-    (DAPO: the train batch's prompts), roll out fresh envs (`more(n)`, n = the rollouts so far); stop
-    at max_rollouts in all (DAPO raises there; here the step trains on what it has, and the log's
-    `rollouts` shows it). Groups beyond the target are dropped, as DAPO cuts its batch. Every rank
-    keeps rolling out until all reach their own target (one all_sum per rollout)."""
+    (DAPO: the train batch's prompts), roll out fresh envs (`more(n_envs)`); stop at max_rollouts in
+    all (DAPO raises there; here the step trains on what it has, and the log's `rollouts` shows it).
+    Groups beyond the target are dropped, as DAPO cuts its batch. Every rank keeps rolling out until
+    all reach their own target (one all_sum per rollout). refill: how many envs a refill rolls out,
+    `batch` (as many as the first rollout, DAPO's generation batch) or `missing` (refill_envs)."""
     groups, target = signal_groups(first, algo)
-    generated, seen, rollouts = list(first), target, 1
+    batch_envs = len({s.env for s in first})
+    generated, seen, rollouts, envs_so_far = list(first), target, 1, batch_envs
     while rollouts < max_rollouts and all_sum([float(len(groups) < target)])[0] > 0:
-        new = more(rollouts)
+        n_envs = batch_envs
+        if refill == "missing":
+            n_envs = refill_envs(target - len(groups), len(groups), envs_so_far, batch_envs)
+        new = more(n_envs)
         informative, n = signal_groups(new, algo)
         groups += informative
         generated += new
         seen += n
         rollouts += 1
+        envs_so_far += n_envs
     kept = [s for group in groups[:target] for s in group]
     return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
+
+
+def refill_envs(missing, found, envs_so_far, batch_envs):
+    """--refill missing: the fresh envs that should carry the `missing` groups, at the rate of groups
+    with a signal per env seen so far (found / envs_so_far); at least one, at most a batch; none when
+    this rank has its groups (it waits for the others)."""
+    if missing <= 0:
+        return 0
+    if found == 0:
+        return batch_envs
+    return min(batch_envs, math.ceil(missing * envs_so_far / found))
 
 
 def group_values(group, algo):

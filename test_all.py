@@ -2311,17 +2311,17 @@ def test_dynamic_sampling_against_dapos_filter():
     for i, s_ in enumerate(s_ for b in rollouts for s_ in b):
         s_.traj = i  # a unique id per sample (the reference's trajectory index)
     for max_rollouts in (3, 2):
-        asked = []
+        asked = []  # envs asked for, per refill
 
-        def more(n):
-            asked.append(n)
-            return rollouts[n]
+        def more(n_envs):
+            asked.append(n_envs)
+            return rollouts[len(asked)]
         filled = G.dapo_fill(rollouts[0], more, "at_grpo", max_rollouts)
         uid = lambda s_: G.KEYS["at_grpo"](s_)
         ref, used = _dapo_reference([[(uid(s_), s_.reward, s_.traj) for s_ in b] for b in rollouts], 4, 2,
                                     max_rollouts)
         assert [s_.traj for s_ in filled.kept] == ref and filled.rollouts == used == max_rollouts
-        assert asked == list(range(1, max_rollouts))
+        assert asked == [4] * (max_rollouts - 1)  # DAPO's: a whole generation batch each time
         assert len(filled.generated) == 8 * max_rollouts
         signal = {3: 5, 2: 2}[max_rollouts]  # groups with a signal among those generated
         assert filled.zero_var_frac == pytest.approx(1 - signal / (4 * max_rollouts))
@@ -2334,6 +2334,29 @@ def test_dynamic_sampling_against_dapos_filter():
     assert filled.kept == ss[:2] and filled.rollouts == 1 and filled.zero_var_frac == 0.0
     filled = G.dapo_fill(ss, lambda n: pytest.fail("asked for more"), "grpo", 1)
     assert filled.kept == ss[:2] and filled.zero_var_frac == 0.5
+
+
+def test_refill_missing_rolls_out_the_envs_the_missing_groups_need():
+    """--refill missing, by hand: a refill rolls out the missing groups' envs at the rate of groups with a
+    signal per env seen so far (at least one, at most the first rollout's), numbered after the step's earlier
+    envs; the groups kept and the cut are the batch refill's rule."""
+    def envs(first_env, rewards):  # one at_grpo node with two siblings per env
+        return [_s(first_env + i, "plan", 0, k, r) for i, pair in enumerate(rewards) for k, r in enumerate(pair)]
+    first = envs(0, [(0, 1), (1, 0), (0, 2), (3, 3)])  # 4 envs, 3 with a signal: 1 group missing
+    refills = [envs(4, [(1, 1), (0, 0)]),  # asked ceil(1 x 4 / 3) = 2 envs; none with a signal
+               envs(6, [(2, 2), (0, 5)])]  # asked ceil(1 x 6 / 3) = 2; the fourth group
+    asked = []
+
+    def more(n_envs):
+        asked.append(n_envs)
+        return refills[len(asked) - 1]
+    filled = G.dapo_fill(first, more, "at_grpo", 3, refill="missing")
+    assert asked == [2, 2] and filled.rollouts == 3
+    assert [s.env for s in filled.kept] == [0, 0, 1, 1, 2, 2, 7, 7]
+    assert filled.zero_var_frac == pytest.approx(1 - 4 / 8)
+    # the sizing rule alone: none when this rank is done, a batch when nothing had a signal yet, capped at a batch
+    assert G.refill_envs(0, 5, 4, 4) == 0 and G.refill_envs(3, 0, 4, 4) == 4
+    assert G.refill_envs(3, 1, 4, 4) == 4 and G.refill_envs(1, 16, 8, 8) == 1
 
 
 def test_scale_rewards_none_and_batch_by_hand():
@@ -3670,7 +3693,7 @@ def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir):
         T.configure(["--train_roles", "coder"])
 
 
-def test_dynamic_sampling_refills_a_step(tmp_path, capsys):
+def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
     too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the
     first rollout's number of groups, and the log and the step line say how many rollouts it made."""
@@ -3685,6 +3708,23 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys):
     assert any(r["rollouts"] > 1 for r in dyn), "no step refilled: the test no longer exercises the loop"
     assert all(0 < r["trained_samples"] < r["samples"] for r in dyn if r["rollouts"] > 1)
     assert all("rollouts" not in r for r in plain) and "| rollouts " in capsys.readouterr().out
+    # --refill missing: a refill rolls out fewer envs than a batch, numbered after the step's earlier envs
+    refills, real_fill = [], T.dapo_fill
+
+    def spy(first, more, *rest):
+        step_envs = {s.env for s in first}
+
+        def more_logged(n_envs):
+            new = more(n_envs)
+            envs = {s.env for s in new}
+            assert len(envs) == n_envs and not envs & step_envs  # fresh numbers within the step
+            step_envs.update(envs)
+            refills.append(n_envs)
+            return new
+        return real_fill(first, more_logged, *rest)
+    monkeypatch.setattr(T, "dapo_fill", spy)
+    T.main(args + ["--dynamic_sampling", "3", "--refill", "missing", "--out_dir", str(tmp_path / "missing")])
+    assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
 
 
 def test_bad_input_exits_with_one_line_before_anything_loads():

@@ -99,6 +99,8 @@ entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (pap
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
 dynamic_sampling = 0       # N > 1: DAPO's refill: up to N rollouts a step until the groups with a signal
                            # number the first rollout's groups; zero-variance groups dropped (0 = off)
+refill = "batch"           # --dynamic_sampling: a refill's envs, batch (the first rollout's number, DAPO's)
+                           # | missing (the envs the missing groups need at the step's rate so far)
 std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the std
 top_p = 1.0                # 1.0: the sampler's log-probs are the trainer's full-softmax log-probs
 thinking = False           # Qwen3's chat-template thinking switch (per role: tool=true,plan=false)
@@ -186,6 +188,7 @@ CHOICES = {
     "reward": ["immediate", "outcome"],
     "search_metric": ["em", "f1"],
     "split": ["strided", "groups"],
+    "refill": ["batch", "missing"],
 }
 FLAGS = {k: v for k, v in globals().items()
          if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
@@ -542,6 +545,7 @@ class Rollout:
     samples: list
     solved: int
     episodes: int
+    envs: int
 
 
 def rollout_envs(cfg, envs, agents, sampling, rng, timer):
@@ -550,12 +554,13 @@ def rollout_envs(cfg, envs, agents, sampling, rng, timer):
     if cfg["algo"] == "at_grpo":
         samples = tree_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
                                cfg["branch"], rng, timer)
-        return Rollout(samples, sum(e.success for e in envs), len(envs))
+        return Rollout(samples, sum(e.success for e in envs), len(envs), len(envs))
     samples, trajs = plain_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"], timer)
     if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
         outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
     trajectory_returns(samples)
-    return Rollout(samples, sum(e.success for ts in trajs for e in ts), len(trajs) * cfg["K"])
+    return Rollout(samples, sum(e.success for ts in trajs for e in ts), len(trajs) * cfg["K"],
+                   len(trajs))
 
 
 @dataclass
@@ -744,20 +749,24 @@ def main(argv):
         agents.reseed(step_seed(cfg["seed"], step, rank))
         episodes = []  # each rollout's Rollout (one unless --dynamic_sampling)
 
-        def rollout(n_before):  # fresh envs; env indices after the n_before rollouts' envs
+        def rollout(n_envs):  # fresh envs, numbered after this step's earlier envs
+            if n_envs == 0:  # --refill missing: this rank has its groups
+                return []
             envs = [E.train_env(cfg["task"], rng, cfg["workflow"], compact, rows, team=team,
                                 turns=cfg["turns"], search=search)
-                    for _ in range(envs_per_rank)]
+                    for _ in range(n_envs)]
             batch = rollout_envs(cfg, envs, agents, sampling, rng, timer)
+            envs_before = sum(b.envs for b in episodes)
             for s in batch.samples:
-                s.env += n_before * envs_per_rank
+                s.env += envs_before
             episodes.append(batch)
             return batch.samples
 
-        samples = rollout(0)
+        samples = rollout(envs_per_rank)
         filled = None
         if cfg["dynamic_sampling"]:  # DAPO: more fresh envs until enough groups carry a signal
-            filled = dapo_fill(samples, rollout, cfg["algo"], cfg["dynamic_sampling"], C.all_sum)
+            filled = dapo_fill(samples, rollout, cfg["algo"], cfg["dynamic_sampling"], cfg["refill"],
+                               C.all_sum)
             samples = filled.generated
         success = sum(b.solved for b in episodes) / sum(b.episodes for b in episodes)
 
