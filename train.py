@@ -330,6 +330,9 @@ def check(cfg, given):
     if cfg["dynamic_sampling"] and cfg["algo"] == "gigpo":
         raise SystemExit("--dynamic_sampling filters one kind of group, and gigpo has two (episodes and anchor "
                          "states): use it with --algo at_grpo, grpo or dr_mas, or drop it")
+    if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
+        raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off here: "
+                         "add --dynamic_sampling 3, or drop --refill")
     if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's losing "
                          "branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores each call)")
@@ -541,7 +544,7 @@ def step_seed(seed, step, rank):
 
 @dataclass
 class Rollout:
-    """One rollout of fresh envs: its samples and how many of its episodes were solved."""
+    """One rollout of fresh envs: its samples, how many of its episodes were solved, its envs."""
     samples: list
     solved: int
     episodes: int
