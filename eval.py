@@ -127,6 +127,10 @@ def markdown(res, title):
     for r, v in res["per_role"].items():
         lines.append(f"| {r} | {v['calls']} | {v['format_error_rate']:.3f} | {v['local_reward']:+.3f} | "
                      f"{v['answer_tokens']:.1f} | {v['distinct_first_answers']} of {v['instances']} |")
+    lines.append("")
+    for r, v in res["per_role"].items():  # answer instances (solved), most common first
+        top = ", ".join(f"{text!r} {n} ({solved})" for text, n, solved in v["top_first_answers"])
+        lines.append(f"{r}'s most common first answers, instances (solved): {top}  ")
     by_turn = ", ".join(f"{k}: {v:.3f}" for k, v in res["success_by_turn"].items())
     return "\n".join(lines + ["", "success by turn: " + by_turn, ""])
 

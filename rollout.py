@@ -283,6 +283,9 @@ def pmap(fn, items):
 # held-out evaluation (train.py's monitor and eval.py): plain rollouts of a test set, statistics
 
 
+TOP_FIRST = 5  # evaluate: the most common first answers reported per role
+
+
 def evaluate(test_envs, agents, turns, sampling, k=1, rank=0, world=1, seed=1234, progress=False):
     """Plain rollouts of every test env (this rank's shard), k samples each; results gathered over
     ranks. Accuracy = the fraction of instances whose episode ends in success; with k > 1 also avg@k
@@ -292,8 +295,8 @@ def evaluate(test_envs, agents, turns, sampling, k=1, rank=0, world=1, seed=1234
     agents.reseed(seed + rank)
     results = []  # (test index, its k outcomes, the turn each ended after)
     role_stats = defaultdict(lambda: defaultdict(float))
-    # role -> its distinct first-turn answers (first sample of each instance)
-    firsts = defaultdict(set)
+    # role -> first-turn answer (first sample of each instance) -> [instances, solved]
+    firsts = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     batch = 64
     starts = range(0, len(mine), batch)
     if progress:
@@ -312,7 +315,9 @@ def evaluate(test_envs, agents, turns, sampling, k=1, rank=0, world=1, seed=1234
             st["answer_tokens"] += len(s.response_ids)
             if s.turn == 0 and s.traj == 0:
                 st["instances"] += 1
-                firsts[s.role].add(tuple(s.response_ids))
+                first = firsts[s.role][tuple(s.response_ids)]
+                first[0] += 1
+                first[1] += bool(trajs[s.env][0].success)
     agents.seed_base = old_seed
     if world > 1:
         results, role_stats, firsts = _gather_eval(results, role_stats, firsts, world)
@@ -329,7 +334,12 @@ def evaluate(test_envs, agents, turns, sampling, k=1, rank=0, world=1, seed=1234
             "local_reward": v["local_reward"] / calls, "answer_tokens": v["answer_tokens"] / calls,
             # 1 of n: the same answer to every instance, an open-loop policy that ignores what it
             # sees
-            "distinct_first_answers": len(firsts[r]), "instances": int(v["instances"])}
+            "distinct_first_answers": len(firsts[r]), "instances": int(v["instances"]),
+            # the most common first answers: [text, instances, solved]; a few answers covering
+            # every instance are a lookup, and greedy success moves by whole answers
+            "top_first_answers": [
+                [agents.tok.decode(list(ids), skip_special_tokens=True), n, solved]
+                for ids, (n, solved) in sorted(firsts[r].items(), key=lambda kv: -kv[1][0])[:TOP_FIRST]]}
     by_turn = defaultdict(int)  # episodes that succeeded, by the turn count they ended after
     for _, outcomes, ended in results:
         for success, turn in zip(outcomes, ended):
@@ -347,11 +357,13 @@ def _gather_eval(results, role_stats, firsts, world):
     all_results, all_stats, all_firsts = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(all_results, results)
     dist.all_gather_object(all_stats, {r: dict(v) for r, v in role_stats.items()})
-    dist.all_gather_object(all_firsts, dict(firsts))
-    merged_firsts = defaultdict(set)
+    dist.all_gather_object(all_firsts, {r: {a: list(c) for a, c in v.items()} for r, v in firsts.items()})
+    merged_firsts = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for part in all_firsts:
         for r, v in part.items():
-            merged_firsts[r] |= v
+            for answer, (n, solved) in v.items():
+                merged_firsts[r][answer][0] += n
+                merged_firsts[r][answer][1] += solved
     merged_stats = defaultdict(lambda: defaultdict(float))
     for part in all_stats:
         for r, v in part.items():

@@ -4429,6 +4429,36 @@ def test_eval_counts_distinct_first_answers(tiny_dir):
         and 0 < sum(x[0] for x in alone) < 12
         and res["accuracy"] == sum(x[0] for x in alone) / 12
     )
+    # the most common first answers with their instances and solved counts: the script's answer per instance,
+    # read from each instance's own summary line, solved as that instance played alone
+    want_top = {}
+    for e, outcome in zip(envs_, alone):
+        n, solved = want_top.get(toward_goal(e.summary(), None), (0, 0))
+        want_top[toward_goal(e.summary(), None)] = (n + 1, solved + outcome[0])
+    for role in ("tool", "plan"):
+        top = res["per_role"][role]["top_first_answers"]
+        assert len(top) == min(R.TOP_FIRST, want) and all(want_top[a] == (n, ok) for a, n, ok in top)
+        assert [n for _, n, _ in top] == sorted((n for n, _ in want_top.values()), reverse=True)[: len(top)]
+    a, n, ok = res["per_role"]["plan"]["top_first_answers"][0]
+    assert f"{a!r} {n} ({ok})" in V.markdown(res, "t")
+
+
+def test_eval_first_answers_merge_over_ranks(monkeypatch):
+    """Two ranks' first-answer tallies merge by adding instances and solved per answer (the all_gather replaced by
+    the two ranks' parts, written out by hand)."""
+    import torch.distributed as dist
+    from collections import defaultdict
+    rank0 = defaultdict(lambda: defaultdict(lambda: [0, 0]), {"plan": {(1, 2): [3, 1], (4,): [1, 1]}})
+    rank1 = {"plan": {(1, 2): [2, 2], (5,): [4, 0]}}
+    # rank 1's results, role statistics and first answers, in the order _gather_eval gathers them
+    others = [[(1, [False], [4])], {"plan": {"calls": 6.0}}, rank1]
+
+    def fake_gather(out, mine):
+        out[:] = [mine, others.pop(0)]
+    monkeypatch.setattr(dist, "all_gather_object", fake_gather)
+    results, stats, firsts = R._gather_eval([(0, [True], [1])], {"plan": {"calls": 4.0}}, rank0, 2)
+    assert {a: list(c) for a, c in firsts["plan"].items()} == {(1, 2): [5, 3], (4,): [1, 1], (5,): [4, 0]}
+    assert stats["plan"]["calls"] == 10.0 and len(results) == 2
 
 
 def test_mean_curve_of_seeds_by_hand(tmp_path):
