@@ -761,9 +761,12 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
         assert g["scale_rewards"] == "group" and g["batch_std_steps"] == 60
     assert T.configure(["--scale_rewards", "group"])["batch_std_steps"] == 60  # the previous default, one flag away
     # real models sample at the reference's 1.0 (its multi-agent sampler in training mode; docs/paper_preset.md);
-    # the tiny Plan-Path default at 0.7 (greedy held-out lags at 1.0); the compact Sokoban and Sudoku keep 1.0
-    # (measured so); a flag wins
-    assert real["temperature"] == 1.0 and tiny["temperature"] == 0.7
+    # the tiny Plan-Path default at 0.5 (greedy held-out lags at 1.0, and 0.5 met the three targets on 9 of ten
+    # fresh seeds against 0.7's 7: docs/results.md); the tiny code and math smoke runs keep tiny's 0.7; the compact
+    # Sokoban and Sudoku keep 1.0 (measured so); a flag wins
+    assert real["temperature"] == 1.0 and tiny["temperature"] == 0.5
+    assert T.configure(["--task", "math"])["temperature"] == 0.7
+    assert "temperature 0.5" in T.config_line(tiny)
     assert (
         T.configure(["--task", "sokoban"])["temperature"] == 1.0
         and T.configure(["--task", "sudoku"])["temperature"] == 1.0
@@ -3654,7 +3657,7 @@ def test_per_role_sampling_flags_resolve_per_role():
                        "--eval_temperature", "plan=0.3"])
     assert cfg["role_sampling"] == {
         "tool": dict(temperature=0.5, top_p=1.0, max_new_tokens=8, thinking=False),
-        "plan": dict(temperature=0.7, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny: 0.7 and 8
+        "plan": dict(temperature=0.5, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny-plan: 0.5 and 8
     assert cfg["max_new_tokens"] == 8  # the longest role's budget: the engine's and the memory plan's
     assert P.role_sampling(cfg, "eval_")["plan"].temperature == 0.3
     for argv, msg in [(["--temperature", "tool=0"], "--temperature 0.0: use above 0"),

@@ -166,8 +166,9 @@ PRESETS = {
     "paper-search": dict(turns=4, max_new_tokens=800, max_prompt_tokens=4096, max_model_len=4896,
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
-    # Plan-Path: DAPO's refill keeps the freezes off (docs/results.md, "Dynamic sampling from step 0")
-    "tiny-plan": {**TINY, "dynamic_sampling": 3},
+    # Plan-Path: DAPO's refill keeps the freezes off; sampling at 0.5, nearer the greedy
+    # answer that is scored, met the targets on more seeds (docs/results.md)
+    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
