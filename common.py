@@ -19,18 +19,30 @@ import model as M
 
 
 def usage(source, defaults, presets=None):
-    """Every flag of the `# config:` block of `source` (a script's path): its default, its comment, and
-    the presets that give it another value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
+    """Every flag of the `# config:` block of `source` (a script's path), under the block's headings
+    (its comment lines at the margin): its default, its comment, and the presets that give it another
+    value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
     block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
-    flags = []  # [name, default, comment], the comment with its continuation lines
-    for line in block.splitlines():
+    lines = []  # headings, and [name, default, comment] with the comment's continuation lines
+    for line in block.splitlines()[1:]:
         m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
         if m:  # a flag of this script, or None: a name it does not take (its comment is skipped too)
-            flags.append(list(m.groups("")) if m.group(1) in defaults else None)
-        elif line.startswith(" ") and line.strip().startswith("#") and flags and flags[-1]:
-            flags[-1][2] += " " + line.strip()[2:]  # a comment's continuation
-    return "\n".join(f"  --{name:<24} {default:<10} {comment}{preset_note(name, defaults[name], presets or {})}"
-                     for name, default, comment in filter(None, flags))
+            lines.append(list(m.groups("")) if m.group(1) in defaults else None)
+        elif line.startswith("# "):
+            lines.append(line[2:])
+        elif line.startswith(" ") and line.strip().startswith("#") and lines and isinstance(lines[-1], list):
+            lines[-1][2] += " " + line.strip()[2:]  # a comment's continuation
+    out = []
+    for item in filter(None, lines):
+        if isinstance(item, str):
+            out.append(f"\n{item}:")
+        else:
+            name, default, comment = item
+            out.append(f"  --{name:<24} {default:<10} {comment}{preset_note(name, defaults[name], presets or {})}")
+    # a heading none of whose flags this script takes (eval.py shows train.py's block) is dropped
+    shown = [line for i, line in enumerate(out) if not line.startswith("\n") or
+             (i + 1 < len(out) and not out[i + 1].startswith("\n"))]
+    return "\n".join(shown).lstrip("\n")
 
 
 def preset_note(name, default, presets):
@@ -50,9 +62,11 @@ def preset_note(name, default, presets):
     return f" [{'; '.join(parts)}]" if parts else ""
 
 
-def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
-    """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role` flags
-    may also take ROLE=VALUE,... (checked against the task's roles later); `repeatable` ones join their values."""
+def parse_flags(argv, cfg, choices, per_role=None, repeatable=(), help_text=""):
+    """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role`
+    ({flag: its type}) flags may also take ROLE=VALUE,..., read into {role: value} (the roles are checked against the
+    task's later); `repeatable` ones join their values."""
+    per_role = per_role or {}
     if "--help" in argv or "-h" in argv:
         print(help_text)
         raise SystemExit(0)
@@ -72,7 +86,7 @@ def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
         if name in repeatable:  # --policy tool=A --policy plan=B
             cfg[name] = ",".join(x for x in (cfg[name] if name in given else "", val) if x)
         elif name in per_role and "=" in val:
-            cfg[name] = val
+            cfg[name] = per_role_values(name, val, per_role[name])
         elif t is bool:
             if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise SystemExit(f"--{name} takes true or false, not {val!r}")
@@ -87,6 +101,20 @@ def parse_flags(argv, cfg, choices, per_role=(), repeatable=(), help_text=""):
         given.append(name)
         i += 1
     return given
+
+
+def per_role_values(name, text, cast):
+    """--lr tool=1e-6,plan=2e-6 -> {"tool": 1e-6, "plan": 2e-6}."""
+    values = {}
+    for item in text.split(","):
+        role, eq, x = item.partition("=")
+        if not eq or not role:
+            raise SystemExit(f"--{name} {text}: write one value, or ROLE=VALUE,...")
+        try:
+            values[role] = cast(x)
+        except ValueError:
+            raise SystemExit(f"--{name} {text}: {x!r} is not a {cast.__name__}")
+    return values
 
 
 def fit_context(max_len, prompt, new, context):
@@ -278,7 +306,7 @@ def open_run(cfg, pols, master):
     if master:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2)
+            json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2, default=vars)
         here = os.path.dirname(os.path.abspath(__file__))
         for src in code_files():
             shutil.copy(os.path.join(here, src), os.path.join(out, src + ".txt"))
@@ -309,6 +337,25 @@ def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
         used = elapsed if run_elapsed is None else run_elapsed
         left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
     return left
+
+
+class PhaseClock:
+    """A step's phases, one after another: each one's wall-clock seconds and, on CUDA, the allocator's
+    peak while it ran (GiB). The one place the step's memory is probed."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.seconds, self.peak_gib = {}, {}
+        cuda_peak_gib()  # the peak from here on
+
+    def lap(self, phase):
+        now = time.time()
+        self.seconds[phase], self.last = now - self.last, now
+        if torch.cuda.is_available():
+            self.peak_gib[phase] = cuda_peak_gib()
+
+    def elapsed(self):
+        return time.time() - self.start
 
 
 def cuda_peak_gib(reset=True):

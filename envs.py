@@ -114,17 +114,35 @@ PLAN_SYS = ("You are the plan agent of a two-agent team. A tool agent wrote a pr
 
 
 class Env:
-    """What every task's env shares: who speaks next. `speakers()` names the agents that answer next
-    in this turn (one: it speaks alone; several: they answer the same state at once), () when the
-    turn is over. A fixed workflow lists its turn as `stages`, spoken in order; a routed one decides
-    from its state (the search task's router). Every agent speaks at most once per turn."""
+    """What every task's env shares: the turn, its outcome so far, and who speaks next.
+    `speakers()` names the agents that answer next in this turn (one: it speaks alone; several: they
+    answer the same state at once), () when the turn is over. A fixed workflow lists its turn as
+    `stages`, spoken in order; a routed one overrides `speakers` and decides from its state (the
+    search task's router). Every agent speaks at most once per turn: a subclass's `step(role, text)`
+    adds the role to `spoken`, and `end_turn` (the subclass's, calling this one) starts the next
+    turn with nobody having spoken. A new workflow is one subclass: stages or speakers, observe,
+    step, team_reward."""
     stages = ()
+
+    def __init__(self):
+        self.turn, self.done, self.success, self.format_ok = 0, False, False, True
+        self.spoken = set()  # the agents that have answered this turn
 
     def speakers(self):
         for stage in self.stages:
             if not all(role in self.spoken for role in stage):
                 return stage
         return ()
+
+    def clone(self):
+        """A copy to branch from (a subclass copies its own lists and dicts too)."""
+        new = copy.copy(self)
+        new.spoken = set(self.spoken)
+        return new
+
+    def end_turn(self):
+        self.turn += 1
+        self.spoken = set()
 
 
 class GridGame(Env):
@@ -135,12 +153,11 @@ class GridGame(Env):
     fail_reward = -2.0
 
     def __init__(self, workflow="mas", compact=False):
+        super().__init__()
         self.roles = self.roles_mas if workflow == "mas" else self.roles_mas[-1:]
-        self.compact, self.turn, self.done, self.success = compact, 0, False, False
-        self.spoken = set()  # the agents that have answered this turn
+        self.compact = compact
         # what the plan agent sees this turn
         self.tool_text, self.tool_out, self.tool_sim = None, None, None
-        self.format_ok = True
 
     @property
     # sequential: one agent at a time (the rollouts run a turn as these stages, in order)
@@ -187,10 +204,6 @@ class GridGame(Env):
 
     def team_reward(self):
         return 1.0 if self.success else 0.0
-
-    def end_turn(self):
-        self.turn += 1
-        self.spoken = set()
 
     def tool_line(self):
         """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the
@@ -651,19 +664,16 @@ class CodeEnv(Env):
         # training scores on the first few ground-truth tests, evaluation on all of them
         # (docs/method.md §6)
         self.gt = row["tests"][:train_tests] if (train_tests and row["test_type"] != "code") else row["tests"]
-        self.turn, self.done, self.success = 0, False, False
         self.code, self.tests, self.history = None, [], []
         # (code, its mismatches) of every turn so far: the history both agents see
         self.attempts = []
-        self.pending, self.format_ok = {}, True
+        self.pending = {}
         self.pass_rate = 0.0
-        self.spoken = set()
 
     def clone(self):
-        new = copy.copy(self)
+        new = super().clone()
         new.pending, new.history, new.tests = dict(self.pending), list(self.history), list(self.tests)
         new.attempts = list(self.attempts)
-        new.spoken = set(self.spoken)
         return new
 
     def observe(self, role):
@@ -747,8 +757,7 @@ class CodeEnv(Env):
         self.success = self.pass_rate == 1.0
         if len(self.roles) == 1:
             self.done = True  # single agent: one turn
-        self.turn += 1
-        self.spoken = set()
+        super().end_turn()
 
 
 # -----------------------------------------------------------------------------
@@ -770,16 +779,14 @@ class MathEnv(Env):
         return [self.roles]
 
     def __init__(self, row, workflow="mas", compact=False):
+        super().__init__()
         self.row, self.roles = row, (("tool", "reasoner") if workflow == "mas" else ("reasoner",))
-        self.turn, self.done, self.success = 0, False, False
         self.prev = {}      # role -> (text shown to the other agent, answer)
-        self.pending, self.format_ok = {}, True
-        self.spoken = set()
+        self.pending = {}
 
     def clone(self):
-        new = copy.copy(self)
+        new = super().clone()
         new.prev, new.pending = dict(self.prev), dict(self.pending)
-        new.spoken = set(self.spoken)
         return new
 
     def observe(self, role):
@@ -826,8 +833,7 @@ class MathEnv(Env):
         if len(self.roles) == 1:
             self.done = True
         self.pending = {}
-        self.turn += 1
-        self.spoken = set()
+        super().end_turn()
 
 
 # -----------------------------------------------------------------------------
@@ -953,8 +959,7 @@ class TeamMathEnv(MathEnv):
         self.done = agrees
         self.done = self.done or (self.mode == "aggregate" and judge is not None)  # one turn
         self.pending = {}
-        self.turn += 1
-        self.spoken = set()
+        Env.end_turn(self)  # not MathEnv's: the team's turn ends with its judge
 
 
 # -----------------------------------------------------------------------------
@@ -988,16 +993,15 @@ class MathVerifyEnv(Env):
     roles = ("solver", "verifier")
 
     def __init__(self, row, max_turns=2, compact=False):
+        super().__init__()
         self.row, self.max_turns = row, max_turns
-        self.turn, self.done, self.success, self.format_ok = 0, False, False, True
-        self.spoken = set()
         self.solution = None   # the current Answer
         self.context = []      # every earlier output, as the team sees it
         self.approved = False
 
     def clone(self):
-        new = copy.copy(self)
-        new.spoken, new.context = set(self.spoken), list(self.context)
+        new = super().clone()
+        new.context = list(self.context)
         return new
 
     def speakers(self):
@@ -1034,8 +1038,7 @@ class MathVerifyEnv(Env):
         return float(bool(self.solution and self.solution.correct))
 
     def end_turn(self):
-        self.turn += 1
-        self.spoken = set()
+        super().end_turn()
         self.done = self.done or self.turn >= self.max_turns
 
 
@@ -1079,15 +1082,15 @@ class SearchEnv(Env):
                  metric="em"):
         self.question, self.answers, self.retriever = question, list(answers), retriever
         self.topk, self.max_turns, self.compact, self.gold, self.metric = topk, max_turns, compact, gold, metric
-        self.turn, self.done, self.success, self.format_ok = 0, False, False, True
-        self.spoken, self.verdict = set(), None
+        super().__init__()
+        self.verdict = None
         self.history = []   # (query, [Passage] or an error text) per search
         self.seen = []      # passage ids retrieved so far
         self.answer = None
 
     def clone(self):
-        new = copy.copy(self)
-        new.spoken, new.history, new.seen = set(self.spoken), list(self.history), list(self.seen)
+        new = super().clone()
+        new.history, new.seen = list(self.history), list(self.seen)
         return new
 
     def speakers(self):
@@ -1157,8 +1160,8 @@ class SearchEnv(Env):
         return float(self.success)
 
     def end_turn(self):
-        self.turn += 1
-        self.spoken, self.verdict = set(), None
+        super().end_turn()
+        self.verdict = None
         self.done = self.done or self.turn >= self.max_turns
 
     def observe(self, role):

@@ -16,15 +16,17 @@ avg@k = mean success over all samples, pass@k = the unbiased estimator 1 - C(n-c
 averaged over instances (n = k). 95% intervals: Wilson for a proportion (k = 1), else a normal
 interval over the per-instance values.
 """
+import glob
 import json
 import os
 import sys
 
 import common as C
+import config
 import envs as E
 import policies as P
 import train as T
-from rollout import Agents, Sampling, evaluate
+from rollout import Agents, evaluate
 
 # -----------------------------------------------------------------------------
 # config: eval.py's own flags; the others are train.py's (TRAIN_FLAGS), with its presets
@@ -53,7 +55,7 @@ def configure(argv):
     every check that can run before a model loads."""
     cfg = dict(FLAGS)
     choices = {k: v for k, v in T.CHOICES.items() if k in cfg}
-    per_role = [k for k in P.PER_ROLE_FLAGS if k in cfg]
+    per_role = {k: cast for k, cast in P.CASTS_OF_FLAG.items() if k in cfg}
     given = C.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
                           help_text=help_text())
     if not cfg["task"]:
@@ -65,10 +67,14 @@ def configure(argv):
         raise SystemExit(str(e))
     roles = P.task_roles(cfg)
     paths = role_models(cfg, roles)
+    for f in filter(None, cfg["files"].split(",")):  # your own, or a shipped one under data/
+        if not os.path.isfile(f) and not os.path.isfile(os.path.join(E.DATA, f)):
+            raise SystemExit(f"--files {f!r}: no such file, here or under data/ (a test jsonl in the "
+                             "schema of data/README.md)")
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
     if not cfg["preset"]:
-        cfg["preset"] = T.default_preset(cfg["task"], tiny)
+        cfg["preset"] = config.default_preset(cfg["task"], tiny)
     overrides = T.PRESETS[cfg["preset"]]
     for k, v in overrides.items():
         if k not in given and k in cfg:
@@ -89,7 +95,7 @@ def configure(argv):
     if min(temperatures) < 0:
         raise SystemExit(f"--eval_temperature {cfg['eval_temperature']}: use 0 (greedy) or above")
     context = min(c.get("max_position_embeddings", 40960) for c in configs)
-    T.fit_sampling(cfg, "eval_", context)
+    config.fit_sampling(cfg, "eval_", context)
     # a tiny model plays the compact games
     cfg["compact"] = tiny and cfg["task"] in E.GENERATED
     return cfg, paths
@@ -109,6 +115,10 @@ def role_models(cfg, roles):
     for role, path in paths.items():
         if not path:
             raise SystemExit(f"no model for role {role!r}: pass --model PATH or --policy {role}=PATH")
+        policies = sorted(glob.glob(os.path.join(path, "ckpt", "policy-*")))
+        if policies and not os.path.isfile(os.path.join(path, "config.json")):  # a train.py run folder
+            raise SystemExit(f"{path!r} is a training run's folder: point --model (or --policy "
+                             f"{role}=...) at one of its policies: {', '.join(policies)}")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"model for role {role!r} not found: {path!r} has no config.json (a HF folder or "
                              "a train.py ckpt/policy-NAME)")
@@ -142,7 +152,7 @@ def main(argv):
     files = [f for f in cfg["files"].split(",") if f] or None
     if cfg["search_test"]:
         files = [cfg["search_test"]]
-    search = T.search_settings(cfg)
+    search = config.search_settings(cfg)
     test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow, files=files,
                            limit=cfg["limit"] or None, team=P.parse_team(cfg), turns=cfg["eval_turns"],
                            search=search)
@@ -154,8 +164,8 @@ def main(argv):
     role_to_policy = {r: folders.index(p) for r, p in paths.items()}
     agents = Agents(AutoTokenizer.from_pretrained(folders[0]), engines, role_to_policy,
                     max_prompt_tokens=cfg["max_prompt_tokens"])
-    sampling = {r: Sampling(**s) for r, s in cfg["role_eval_sampling"].items()}
-    res = evaluate(test_envs, agents, cfg["eval_turns"], sampling, k=cfg["eval_k"], progress=True)
+    res = evaluate(test_envs, agents, cfg["eval_turns"], cfg["role_eval_sampling"], k=cfg["eval_k"],
+                   progress=True)
     sampling = "greedy" if cfg["eval_temperature"] == 0 else f"T={cfg['eval_temperature']}"
     protocol = (f"{task}, {workflow}, {sampling}, k={cfg['eval_k']}, turns={cfg['eval_turns']}, "
                 f"n={res['n']}")

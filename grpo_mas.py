@@ -1,24 +1,32 @@
 """
 Grouping, advantages and the PPO-clip loss for multi-agent GRPO. Pure functions; imports torch only.
 
-The three algorithms differ only in two things, both dictionaries below (docs/method.md, "Groups"):
-which samples share a baseline (the group key, `KEYS`), and what scalar is normalized inside the
-group (`VALUE`).
+The four schemes differ in which samples share a baseline (the group key) and what scalar is
+normalized inside the group (docs/method.md §4). The first three are two dictionaries below (`KEYS`,
+`VALUE`) feeding one loop (`compute_advantages`); GiGPO adds a second level of groups, the calls
+made from one state, in a function of its own (`gigpo_advantages`). `advantages` dispatches
+--algo, with the std schedule, for every scheme.
 
     algo      group key             normalized value                   statistics over
     at_grpo   (env, agent, turn)    the call's reward a*team + local   the K sibling candidates (tree)
     grpo      (env,)                the agent's trajectory return      the K trajectories x agents
     dr_mas    (env, agent)          the call's reward a*team + local   that agent's calls, all turns, K trajectories
+    gigpo     (env,) and            the trajectory's total, plus       the env's K trajectories, and
+              (env, anchor state)   the call's discounted return       the calls made from one state
 
     A = (value - mean) / (std + 1e-6)    --scale_rewards group: the group's population std (the paper)
     A = value - mean                     --scale_rewards none (Dr. GRPO)
     A = (value - mean) / (std_step + 1e-6)   --scale_rewards batch: one std over every unit of the step
     --std_floor f: a std below f counts as f, so tiny reward differences are not blown up to +-1
+    gigpo: none (verl-agent's mean_norm) or group (mean_std_norm, the unbiased std); no batch
+
+Then DAPO's dynamic sampling (which groups train), the batch from samples to rows and
+micro-batches, and the loss.
 """
 import functools
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,6 +44,56 @@ VALUE = {  # what is normalized inside the group
     "dr_mas": lambda s: s.reward,
 }
 SCALES = ("group", "none", "batch")
+ZERO_VAR = 1e-12  # a group whose values' std is below this has no signal (advantage 0)
+
+
+@dataclass
+class GroupStats:
+    """What the grouping saw in a step (the step log's zero_var_frac and group_size)."""
+    groups: int
+    zero_var_frac: float  # groups whose values are all equal: advantage 0, no signal
+    group_size: float     # samples per group, mean
+    dropped: int          # samples left out (--drop_zero_var)
+
+
+@dataclass
+class Scheme:
+    """How --algo turns rewards into advantages: train.py's flags of the same names."""
+    algo: str = "at_grpo"
+    scale_rewards: str = "group"
+    batch_std_steps: int = 0    # with scale_rewards group: the first N steps use the step's std
+    std_floor: float = 0.0
+    drop_zero_var: bool = False
+    gigpo_gamma: float = 0.95
+    gigpo_step_weight: float = 1.0
+
+    @classmethod
+    def of(cls, cfg):
+        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+
+
+def groups_of(samples, algo):
+    """{group key: its samples, in generation order} for the algo's key."""
+    groups = defaultdict(list)
+    for s in samples:
+        groups[KEYS[algo](s)].append(s)
+    return groups
+
+
+def population_std(x):
+    mean = sum(x) / len(x)
+    return math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
+
+
+def group_values(group, algo):
+    """The values a group's mean and std are taken over: one per sample, except for grpo, where an
+    agent's return is the same on each of its turns and counts once per (trajectory, agent)."""
+    if algo != "grpo":
+        return [VALUE[algo](s) for s in group]
+    returns = {}
+    for s in group:
+        returns.setdefault((s.traj, s.role), s.ret)
+    return list(returns.values())
 
 
 def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6,
@@ -84,15 +142,6 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     return kept, stats
 
 
-@dataclass
-class GroupStats:
-    """What the grouping saw in a step (the step log's zero_var_frac and group_size)."""
-    groups: int
-    zero_var_frac: float  # groups whose values are all equal: advantage 0, no signal
-    group_size: float     # samples per group, mean
-    dropped: int          # samples left out (--drop_zero_var)
-
-
 def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-6, penalty=0.0):
     """GiGPO (Feng et al. 2025; verl-agent `gigpo/core_gigpo.py`), over K plain trajectories per env:
     A = A_episode + step_weight x A_step, one number per call.
@@ -105,6 +154,8 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
     the unbiased std + eps too (mean_std_norm). A group of one: episode mean 0 and std 1; step mean its
     own value (advantage 0), as the reference. `penalty`: subtracted from both, after discounting, for
     an ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+    if scale not in ("none", "group"):
+        raise ValueError(f"gigpo normalizes with scale none or group, not {scale!r}")
     trajectories = defaultdict(list)
     for s in samples:
         trajectories[s.env, s.traj].append(s)
@@ -142,85 +193,18 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
 
-ZERO_VAR = 1e-12  # a group whose values' std is below this has no signal (advantage 0)
-
-
-def groups_of(samples, algo):
-    """{group key: its samples, in generation order} for the algo's key."""
-    groups = defaultdict(list)
-    for s in samples:
-        groups[KEYS[algo](s)].append(s)
-    return groups
-
-
-def population_std(x):
-    mean = sum(x) / len(x)
-    return math.sqrt(sum((v - mean) ** 2 for v in x) / len(x))
-
-
-def signal_groups(samples, algo):
-    """The algo's groups whose values are not all equal (they carry a signal), in the order their first
-    sample was generated, and how many groups there were in all."""
-    groups = groups_of(samples, algo)
-    informative = [g for g in groups.values() if population_std(group_values(g, algo)) >= ZERO_VAR]
-    return informative, len(groups)
-
-
-@dataclass
-class Filled:
-    """What DAPO's dynamic sampling generated in a step and what it keeps."""
-    generated: list        # every sample of every rollout (the step's cost)
-    kept: list             # the samples of the first `target` groups with a signal
-    rollouts: int          # rollouts made, the first included
-    zero_var_frac: float   # of every group generated: the freeze, as without the filter
-
-
-def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v: v):
-    """DAPO's dynamic sampling (Yu et al. 2025; verl recipe/dapo/dapo_ray_trainer.py, filter_groups):
-    keep only the groups with a signal; while they number fewer than the groups of the first rollout
-    (DAPO: the train batch's prompts), roll out fresh envs (`more(n_envs)`); stop at max_rollouts in
-    all (DAPO raises there; here the step trains on what it has, and the log's `rollouts` shows it).
-    Groups beyond the target are dropped, as DAPO cuts its batch. Every rank keeps rolling out until
-    all reach their own target (one all_sum per rollout). refill: how many envs a refill rolls out,
-    `batch` (as many as the first rollout, DAPO's generation batch) or `missing` (refill_envs)."""
-    groups, target = signal_groups(first, algo)
-    batch_envs = len({s.env for s in first})
-    generated, seen, rollouts, envs_so_far = list(first), target, 1, batch_envs
-    while rollouts < max_rollouts and all_sum([float(len(groups) < target)])[0] > 0:
-        n_envs = batch_envs
-        if refill == "missing":
-            n_envs = refill_envs(target - len(groups), len(groups), envs_so_far, batch_envs)
-        new = more(n_envs)
-        informative, n = signal_groups(new, algo)
-        groups += informative
-        generated += new
-        seen += n
-        rollouts += 1
-        envs_so_far += n_envs
-    kept = [s for group in groups[:target] for s in group]
-    return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
-
-
-def refill_envs(missing, found, envs_so_far, batch_envs):
-    """--refill missing: the fresh envs that should carry the `missing` groups, at the rate of groups
-    with a signal per env seen so far (found / envs_so_far); at least one, at most a batch; none when
-    this rank has its groups (it waits for the others)."""
-    if missing <= 0:
-        return 0
-    if found == 0:
-        return batch_envs
-    return min(batch_envs, math.ceil(missing * envs_so_far / found))
-
-
-def group_values(group, algo):
-    """The values a group's mean and std are taken over: one per sample, except for grpo, where an
-    agent's return is the same on each of its turns and counts once per (trajectory, agent)."""
-    if algo != "grpo":
-        return [VALUE[algo](s) for s in group]
-    returns = {}
-    for s in group:
-        returns.setdefault((s.traj, s.role), s.ret)
-    return list(returns.values())
+def advantages(samples, scheme, step, all_sum=lambda v: v):
+    """Every --algo's advantages, one entry point: sets s.adv on every sample; returns (the samples
+    kept for training, GroupStats). The std schedule: with scale_rewards group, the first
+    batch_std_steps steps divide by the step's std instead (a quiet start: few groups have a
+    signal). `all_sum` sums a list of floats over ranks."""
+    scale = scheme.scale_rewards
+    if scale == "group" and step < scheme.batch_std_steps:
+        scale = "batch"
+    if scheme.algo == "gigpo":  # episode groups plus anchor-state step groups
+        return gigpo_advantages(samples, scheme.gigpo_gamma, scheme.gigpo_step_weight, scale)
+    return compute_advantages(samples, scheme.algo, scheme.drop_zero_var, scale, all_sum,
+                              std_floor=scheme.std_floor)
 
 
 def trajectory_returns(samples):
@@ -252,6 +236,64 @@ def by_agent_turn(samples):
 
 
 # -----------------------------------------------------------------------------
+# DAPO's dynamic sampling: only groups with a signal train
+
+
+def signal_groups(samples, algo):
+    """The algo's groups whose values are not all equal (they carry a signal), in the order their first
+    sample was generated, and how many groups there were in all."""
+    groups = groups_of(samples, algo)
+    informative = [g for g in groups.values() if population_std(group_values(g, algo)) >= ZERO_VAR]
+    return informative, len(groups)
+
+
+@dataclass
+class Filled:
+    """What DAPO's dynamic sampling generated in a step and what it keeps."""
+    generated: list        # every sample of every rollout (the step's cost)
+    kept: list             # the samples of the first `target` groups with a signal
+    rollouts: int          # rollouts made, the first included
+    zero_var_frac: float   # of every group generated: the freeze, as without the filter
+
+
+def refill_envs(missing, found, envs_so_far, batch_envs):
+    """--refill missing: the fresh envs that should carry the `missing` groups, at the rate of groups
+    with a signal per env seen so far (found / envs_so_far); at least one, at most a batch; none when
+    this rank has its groups (it waits for the others)."""
+    if missing <= 0:
+        return 0
+    if found == 0:
+        return batch_envs
+    return min(batch_envs, math.ceil(missing * envs_so_far / found))
+
+
+def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v: v):
+    """DAPO's dynamic sampling (Yu et al. 2025; verl recipe/dapo/dapo_ray_trainer.py, filter_groups):
+    keep only the groups with a signal; while they number fewer than the groups of the first rollout
+    (DAPO: the train batch's prompts), roll out fresh envs (`more(n_envs)`); stop at max_rollouts in
+    all (DAPO raises there; here the step trains on what it has, and the log's `rollouts` shows it).
+    Groups beyond the target are dropped, as DAPO cuts its batch. Every rank keeps rolling out until
+    all reach their own target (one all_sum per rollout). refill: how many envs a refill rolls out,
+    `batch` (as many as the first rollout, DAPO's generation batch) or `missing` (refill_envs)."""
+    groups, target = signal_groups(first, algo)
+    batch_envs = len({s.env for s in first})
+    generated, seen, rollouts, envs_so_far = list(first), target, 1, batch_envs
+    while rollouts < max_rollouts and all_sum([float(len(groups) < target)])[0] > 0:
+        n_envs = batch_envs
+        if refill == "missing":
+            n_envs = refill_envs(target - len(groups), len(groups), envs_so_far, batch_envs)
+        new = more(n_envs)
+        informative, n = signal_groups(new, algo)
+        groups += informative
+        generated += new
+        seen += n
+        rollouts += 1
+        envs_so_far += n_envs
+    kept = [s for group in groups[:target] for s in group]
+    return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
+
+
+# -----------------------------------------------------------------------------
 # the training batch: samples -> mini-batches (one optimizer step each) -> rows -> micro-batches ->
 # tensors
 
@@ -276,6 +318,10 @@ class Row:
     temp: list
     # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
     old: object = None
+
+
+# a zero-weight row: keeps every rank's FSDP collectives in step
+DUMMY = Row(ids=[0, 0], pos=[0, 1], seg=[0, 0], sel=[0], tgt=[0], adv=[0.0], slp=[0.0], temp=[1.0])
 
 
 def make_rows(samples, pack):
@@ -335,6 +381,52 @@ def micro_batches(rows, budget, all_max=lambda n: n):
     return out + [[DUMMY]] * (all_max(len(out)) - len(out))
 
 
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    pos: torch.Tensor
+    sel: torch.Tensor
+    # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
+    attn: object
+    tgt: torch.Tensor
+    w: torch.Tensor    # 1 for a real target, 0 for padding
+    adv: torch.Tensor
+    slp: torch.Tensor
+    temp: torch.Tensor  # each target's sampling temperature (the trainer divides its logits by it)
+    # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+    old: object
+
+
+@functools.cache
+def _block_mask_builder(compiled):
+    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T
+    grid; compiled, it works block by block (torchtitan `torchtitan/models/attention.py` compiles it
+    for the same reason). CPU tests run it eagerly."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask) if compiled else create_block_mask
+
+
+def packed_mask(seg, device, flex):
+    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key
+    is visible if it is in the prompt or in the query's own segment (a pad query sees the pads
+    before it, so no row is empty). On CUDA a flex-attention BlockMask: it stores which 128x128
+    blocks are empty, full or partial, so at the paper's lengths (~1k prompt + K x 2k) the kernel
+    skips the siblings' blocks and no dense mask exists (a dense bool one would be 81 MB per row).
+    On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB per row at the
+    CPU default's ~100 tokens."""
+    T = seg.shape[1]
+    if flex:
+        sg = seg.to(device)
+
+        def visible(b, h, q, k):
+            return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
+        build = _block_mask_builder(torch.device(device).type == "cuda")
+        return build(visible, seg.shape[0], None, T, T, device=device)
+    i = torch.arange(T)
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
+
+
 def collate(mb, device, flex=None):
     """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row
     is packed (`packed_mask`)."""
@@ -370,61 +462,21 @@ def collate(mb, device, flex=None):
     return Batch(ids=ids, pos=pos, sel=sel, attn=attn, tgt=tgt, w=w, adv=adv, slp=slp, temp=temp, old=old)
 
 
-@functools.cache
-def _block_mask_builder(compiled):
-    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T
-    grid; compiled, it works block by block (torchtitan `torchtitan/models/attention.py` compiles it
-    for the same reason). CPU tests run it eagerly."""
-    from torch.nn.attention.flex_attention import create_block_mask
-    return torch.compile(create_block_mask) if compiled else create_block_mask
-
-
-def packed_mask(seg, device, flex):
-    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key
-    is visible if it is in the prompt or in the query's own segment (a pad query sees the pads
-    before it, so no row is empty). On CUDA a flex-attention BlockMask: it stores which 128x128
-    blocks are empty, full or partial, so at the paper's lengths (~1k prompt + K x 2k) the kernel
-    skips the siblings' blocks and no dense mask exists (a dense bool one would be 81 MB per row).
-    On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB per row at the
-    CPU default's ~100 tokens."""
-    T = seg.shape[1]
-    if flex:
-        sg = seg.to(device)
-
-        def visible(b, h, q, k):
-            return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
-        build = _block_mask_builder(torch.device(device).type == "cuda")
-        return build(visible, seg.shape[0], None, T, T, device=device)
-    i = torch.arange(T)
-    sq, sk = seg[:, :, None], seg[:, None, :]
-    return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
-
-
-@dataclass
-class Batch:
-    ids: torch.Tensor
-    pos: torch.Tensor
-    sel: torch.Tensor
-    # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
-    attn: object
-    tgt: torch.Tensor
-    w: torch.Tensor    # 1 for a real target, 0 for padding
-    adv: torch.Tensor
-    slp: torch.Tensor
-    temp: torch.Tensor  # each target's sampling temperature (the trainer divides its logits by it)
-    # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
-    old: object
-
-
-# a zero-weight row: keeps every rank's FSDP collectives in step
-DUMMY = Row(ids=[0, 0], pos=[0, 1], seg=[0, 0], sel=[0], tgt=[0], adv=[0.0], slp=[0.0], temp=[1.0])
-
-
 # -----------------------------------------------------------------------------
 # the PPO-clip loss
 
 # |log pi/pi_old| above this is clamped (verl `verl/trainer/ppo/core_algos.py`: [-20, 20])
 LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class LossStats:
+    """Sums over a micro-batch's response tokens, for the step log."""
+    tokens: float
+    clip_tokens: float     # where the PPO clip was active
+    clamped_tokens: float  # whose log-ratio hit LOG_RATIO_CLAMP (a broken sync or an overflow)
+    kl_sum: float
+    entropy_sum: float
 
 
 def ppo_clip(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
@@ -478,13 +530,3 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
                           kl_sum=(kl * m).sum().item(),
                           entropy_sum=(entropy * m).sum().item() if entropy is not None else 0.0)
     return loss, stats
-
-
-@dataclass
-class LossStats:
-    """Sums over a micro-batch's response tokens, for the step log."""
-    tokens: float
-    clip_tokens: float     # where the PPO clip was active
-    clamped_tokens: float  # whose log-ratio hit LOG_RATIO_CLAMP (a broken sync or an overflow)
-    kl_sum: float
-    entropy_sum: float

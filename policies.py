@@ -43,6 +43,8 @@ def as_bool(text):
 CASTS = {"lr": float, "micro_batch_tokens": int, "minibatches": int, "temperature": float, "top_p": float,
          "max_new_tokens": int, "thinking": as_bool}
 as_bool.__name__ = "bool"
+# each per-role flag's type: ROLE=VALUE,... is read into {role: value} (common.parse_flags)
+CASTS_OF_FLAG = {k: CASTS[k.removeprefix("eval_")] for k in PER_ROLE_FLAGS}
 
 
 @dataclass
@@ -79,23 +81,22 @@ def task_roles(cfg):
     return E.task_roles(cfg["task"], cfg["workflow"])
 
 
-def per_role(cfg, key, roles, cast, default):
-    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6 (roles not named keep `default`) -> {role:
-    value}."""
+def per_role(cfg, key, roles, default):
+    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6, read as {role: value} (the roles it does
+    not name keep `default`) -> {role: value} for every role."""
     v = cfg[key]
-    if not isinstance(v, str):
+    if not isinstance(v, dict):
         return {r: v for r in roles}
-    out = {r: default for r in roles}
-    for item in v.split(","):
-        r, _, x = item.partition("=")
+    for r in v:
         if r not in roles:
-            raise SystemExit(f"--{key} {v}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
-                             f"its roles are {', '.join(roles)}")
-        try:
-            out[r] = cast(x)
-        except ValueError:
-            raise SystemExit(f"--{key} {v}: {x!r} is not a {cast.__name__}")
-    return out
+            raise SystemExit(f"--{key} {format_per_role(v)}: task {cfg['task']!r} ({cfg['workflow']}) has "
+                             f"no role {r!r}; its roles are {', '.join(roles)}")
+    return {r: v.get(r, default) for r in roles}
+
+
+def format_per_role(values):
+    """{role: value} as the flag was written: tool=1e-06,plan=2e-06."""
+    return ",".join(f"{r}={x}" for r, x in values.items())
 
 
 def resolve(cfg):
@@ -105,10 +106,14 @@ def resolve(cfg):
     policy index})."""
     roles = task_roles(cfg)
     base = {r: cfg["model"] or "tiny" for r in roles}
+    named = set()
     for sp in filter(None, cfg["policy"].split(",")):
         r, eq, path = sp.partition("=")
         if not eq or not path:
             raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
+        if r in named:
+            raise SystemExit(f"--policy names role {r!r} twice ({cfg['policy']}): give each role one base")
+        named.add(r)
         if r not in roles:
             raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
                              f"its roles are {', '.join(roles)}")
@@ -120,7 +125,7 @@ def resolve(cfg):
     if not cfg["model"] and any(tiny_bases) and not all(tiny_bases):
         raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model "
                          "for the rest)")
-    settings = {k: per_role(cfg, k, roles, CASTS[k], cfg["role_defaults"][k]) for k in PER_ROLE}
+    settings = {k: per_role(cfg, k, roles, cfg["role_defaults"][k]) for k in PER_ROLE}
     for r in roles:
         if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
             raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
@@ -166,20 +171,14 @@ def flag_values(cfg, name):
     """Every value a flag holds: one, or one per role it names (ROLE=VALUE,...), for bounds checks
     before the roles are known to be right."""
     value = cfg[name]
-    if not isinstance(value, str) or "=" not in value:
-        return [value]
-    cast = CASTS[name.removeprefix("eval_")]
-    try:
-        return [cast(item.partition("=")[2]) for item in value.split(",")]
-    except ValueError:
-        raise SystemExit(f"--{name} {value}: every ROLE=VALUE needs a {cast.__name__} value")
+    return list(value.values()) if isinstance(value, dict) else [value]
 
 
 def role_sampling(cfg, prefix=""):
     """{role: Sampling} for the task's roles from the sampling flags (prefix "eval_": evaluation's),
     each one value for every role or ROLE=VALUE,... (the roles it does not name: the preset's)."""
     roles = task_roles(cfg)
-    values = {k: per_role(cfg, prefix + k, roles, CASTS[k], cfg["role_defaults"][prefix + k]) for k in SAMPLING}
+    values = {k: per_role(cfg, prefix + k, roles, cfg["role_defaults"][prefix + k]) for k in SAMPLING}
     return {r: Sampling(**{k: values[k][r] for k in SAMPLING}) for r in roles}
 
 
@@ -330,6 +329,7 @@ def make_engine(kind, model_dir, seed=0, max_len=2048, gpu_memory_utilization=0.
                            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     raise ValueError(f"unknown engine {kind!r}: use --engine vllm, torch or scripted")
 
+
 class PolicySwitch:
     """Several policies served by one engine (per_role training): each policy's latest weights are
     kept on the host (engine dtype), and before a call for another policy the engine's weights are
@@ -376,5 +376,3 @@ class _PolicyView:
 
     def close(self):
         self.switch.engine.close()
-
-

@@ -47,6 +47,7 @@ import pytest
 import torch
 
 import common as C
+import config
 import model as M
 import policies as P
 import tiny
@@ -766,7 +767,7 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     # Sokoban and Sudoku keep 1.0 (measured so); a flag wins
     assert real["temperature"] == 1.0 and tiny["temperature"] == 0.5
     assert T.configure(["--task", "math"])["temperature"] == 0.7
-    assert "temperature 0.5" in T.config_line(tiny)
+    assert "temperature 0.5" in config.config_line(tiny, T.PRESETS)
     assert (
         T.configure(["--task", "sokoban"])["temperature"] == 1.0
         and T.configure(["--task", "sudoku"])["temperature"] == 1.0
@@ -3527,8 +3528,8 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
     with pytest.raises(SystemExit, match="gigpo has two"):
         T.configure(["--algo", "gigpo", "--dynamic_sampling", "3"])
     # the run's first line shows it (it listed only tiny's keys, so the default's refill went unprinted)
-    assert "dynamic_sampling 3" in T.config_line(T.configure([]))
-    assert "dynamic_sampling" not in T.config_line(T.configure(["--task", "sokoban"]))
+    assert "dynamic_sampling 3" in config.config_line(T.configure([]), T.PRESETS)
+    assert "dynamic_sampling" not in config.config_line(T.configure(["--task", "sokoban"]), T.PRESETS)
 
 
 def test_lr_schedule_matches_torch_schedulers():
@@ -3557,8 +3558,8 @@ def test_lr_schedule_matches_torch_schedulers():
 def test_batch_std_steps_switches_the_division(tmp_path, monkeypatch):
     # --batch_std_steps 2 --steps 3: the first two updates divide by the step's std, the third by the group's
     import train as T
-    seen, real = [], T.compute_advantages
-    monkeypatch.setattr(T, "compute_advantages", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    seen, real = [], G.compute_advantages
+    monkeypatch.setattr(G, "compute_advantages", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
     T.main(
         SMOKE + ["--steps", "3", "--scale_rewards", "group", "--batch_std_steps", "2", "--out_dir", str(tmp_path / "r")]
     )
@@ -3653,11 +3654,12 @@ def test_per_role_sampling_flags_resolve_per_role():
     ROLE=VALUE,...; the roles not named keep the preset's; the resolved values are in the run's config
     (config.json); a bad value stops before loading."""
     import train as T
+    from rollout import Sampling
     cfg = T.configure(["--temperature", "tool=0.5", "--max_new_tokens", "plan=6", "--thinking", "plan=true",
                        "--eval_temperature", "plan=0.3"])
     assert cfg["role_sampling"] == {
-        "tool": dict(temperature=0.5, top_p=1.0, max_new_tokens=8, thinking=False),
-        "plan": dict(temperature=0.5, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny-plan: 0.5 and 8
+        "tool": Sampling(temperature=0.5, top_p=1.0, max_new_tokens=8, thinking=False),
+        "plan": Sampling(temperature=0.5, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny-plan: 0.5 and 8
     assert cfg["max_new_tokens"] == 8  # the longest role's budget: the engine's and the memory plan's
     assert P.role_sampling(cfg, "eval_")["plan"].temperature == 0.3
     for argv, msg in [(["--temperature", "tool=0"], "--temperature 0.0: use above 0"),
@@ -3713,7 +3715,7 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     assert all(0 < r["trained_samples"] < r["samples"] for r in dyn if r["rollouts"] > 1)
     assert all("rollouts" not in r for r in plain) and "| rollouts " in capsys.readouterr().out
     # --refill missing: a refill rolls out fewer envs than a batch, numbered after the step's earlier envs
-    refills, real_fill = [], T.dapo_fill
+    refills, real_fill = [], G.dapo_fill
 
     def spy(first, more, *rest):
         step_envs = {s.env for s in first}
@@ -3726,7 +3728,7 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
             refills.append(n_envs)
             return new
         return real_fill(first, more_logged, *rest)
-    monkeypatch.setattr(T, "dapo_fill", spy)
+    monkeypatch.setattr(G, "dapo_fill", spy)
     T.main(args + ["--dynamic_sampling", "3", "--refill", "missing", "--out_dir", str(tmp_path / "missing")])
     assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
 

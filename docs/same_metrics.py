@@ -18,8 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {  # name: extra flags of `python train.py --steps N --stop_step N --time_limit_min 0`
     "default": [],
     "grpo": ["--algo", "grpo"],
+    "dr_mas": ["--algo", "dr_mas"],
+    "gigpo": ["--algo", "gigpo"],
     "per_role": ["--policies", "per_role"],
     "lora": ["--policies", "lora"],
+    "search": ["--task", "search"],
 }
 TIMING = ("time", "eta")  # fields that are wall-clock; every t_* and mem_* field is one too
 

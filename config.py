@@ -1,0 +1,317 @@
+"""
+The run's configuration, from train.py's flags to one checked dict: the recipe (train.py's globals),
+its preset's values (train.PRESETS), every flag given on top, and every check that can run before
+anything loads. train.py and eval.py both resolve their flags here.
+
+    cfg = config.configure(sys.argv[1:], train.FLAGS, train.PRESETS, train.CHOICES, train.__file__)
+
+What a resolved cfg holds beyond the flags: `preset` (the one chosen), `role_defaults` (a per-role
+flag's value for the roles it does not name), `role_sampling` / `role_eval_sampling` ({role:
+Sampling}). A per-role flag given as ROLE=VALUE,... is a {role: value} dict from the moment it is
+read (common.parse_flags); the roles it names are checked once the task is known.
+"""
+import importlib.util
+import os
+from dataclasses import replace
+
+import torch
+
+import common as C
+import envs as E
+import model as M
+import policies as P
+import retrieval
+
+# -----------------------------------------------------------------------------
+# flags over the preset over the recipe
+
+
+def configure(argv, flags, presets, choices, source):
+    """Flags -> the run's whole configuration (printed at the start, saved as config.json). `flags`:
+    the recipe (train.py's globals), `presets`: train.PRESETS, `source`: the script whose config
+    block --help prints."""
+    cfg = dict(flags)
+    given = C.parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
+                          help_text=help_text(source, flags, presets))
+    if not cfg["preset"]:
+        cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg))
+    overrides = presets[cfg["preset"]]
+    for k, v in overrides.items():
+        if k not in given:
+            cfg[k] = v
+    # gigpo normalizes within its own two kinds of groups (episodes and anchor states): a preset's
+    # DAPO filter and step-wide std do not apply to it; asked for by flag, they are refused (check)
+    if cfg["algo"] == "gigpo":
+        for k, off in (("dynamic_sampling", 0), ("scale_rewards", "group"), ("batch_std_steps", 0)):
+            if k not in given:
+                cfg[k] = off
+    # a per-role flag's value for the roles it does not name: the preset's
+    cfg["role_defaults"] = {k: overrides.get(k, flags[k]) for k in P.PER_ROLE_FLAGS}
+    # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
+    if cfg["policies"] == "lora":
+        cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]
+        if "lr" not in given:
+            cfg["lr"] = cfg["role_defaults"]["lr"]
+    if cfg["pack"] and "split" not in given:
+        cfg["split"] = "groups"
+    check(cfg, given)
+    context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
+    fit_sampling(cfg, "", context)
+    return cfg
+
+
+def default_preset(task, tiny):
+    """paper (paper-math, paper-code, paper-search) with a real model; tiny-plan (tiny-sokoban,
+    tiny-sudoku, tiny-search; tiny for code and math) without."""
+    if tiny:
+        return {"plan": "tiny-plan", "sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku",
+                "search": "tiny-search"}.get(task, "tiny")
+    return {"math": "paper-math", "code": "paper-code", "search": "paper-search"}.get(task, "paper")
+
+
+def fit_sampling(cfg, prefix, context):
+    """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
+    response budget and the engine's context fitted to the model's context (common.fit_context);
+    the flag max_new_tokens becomes the largest role's budget (the memory plan's)."""
+    sampling = P.role_sampling(cfg, prefix)
+    longest = max(s.max_new_tokens for s in sampling.values())
+    cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = C.fit_context(
+        cfg["max_model_len"], cfg["max_prompt_tokens"], longest, context)
+    cfg[prefix + "max_new_tokens"] = fitted
+    key = "role_eval_sampling" if prefix else "role_sampling"
+    cfg[key] = {r: replace(s, max_new_tokens=min(s.max_new_tokens, fitted))
+                for r, s in sampling.items()}
+
+
+def config_line(cfg, presets):
+    """The run's first line: its preset and the values presets set (tiny's keys and the preset's
+    own)."""
+    keys = {**presets["tiny"], **presets[cfg["preset"]]}
+    return f"config: preset {cfg['preset']}; " + ", ".join(f"{k} {cfg[k]}" for k in keys)
+
+
+def help_text(source, flags, presets):
+    return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
+            + C.usage(source, flags, presets)
+            + f"\n\nA value in [...] is a preset's own (presets: {', '.join(presets)}); the default is"
+            " tiny-plan (tiny-sokoban, ...) without --model, paper (paper-math, ...) with it."
+            " Per-role flags take ROLE=VALUE,...")
+
+
+# -----------------------------------------------------------------------------
+# the checks: every misuse that can be named before anything loads, each with the flag to change
+
+# The bounds of the numeric flags: (flag, holds, what to use instead). A value outside them makes
+# the run meaningless, so it stops here, before anything loads.
+BOUNDS = [
+    ("K", lambda v: v >= 2, "at least 2: a group of one has no baseline (its advantage is always 0)"),
+    ("turns", lambda v: v >= 1, "at least 1 turn per episode"),
+    ("envs_per_step", lambda v: v >= 1, "at least 1 env per step"),
+    ("steps", lambda v: v >= 1, "at least 1 step"),
+    ("temperature", lambda v: v > 0, "above 0: training samples at it and the trainer divides its "
+                                     "logits by it (greedy decoding is for evaluation)"),
+    ("max_new_tokens", lambda v: v >= 1, "at least 1 response token"),
+    ("max_prompt_tokens", lambda v: v >= 1, "at least 1 prompt token"),
+    ("mini_batch_rows", lambda v: v >= 0, "0 (use --minibatches) or the samples per optimizer step"),
+    ("eval_every", lambda v: v >= 0, "0 (never) or a number of steps"),
+    ("eval_n", lambda v: v >= 1, "at least 1 held-out instance"),
+    ("ckpt_every", lambda v: v >= 0, "0 (never) or a number of steps"),
+    ("time_limit_min", lambda v: v >= 0, "0 (no limit) or minutes"),
+    ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
+    ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
+    ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
+    ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of --steps in [0, 1]"),
+    ("lr_min", lambda v: 0 <= v <= 1, "a fraction of --lr in [0, 1]"),
+    ("lora_lr_mult", lambda v: v > 0, "above 0"),
+    ("lora_alpha", lambda v: v > 0, "above 0 (the adapter's scale is alpha / r)"),
+    ("eps_low", lambda v: 0 <= v < 1, "in [0, 1) (the ratio's clip range is [1 - eps_low, "
+                                      "1 + eps_high])"),
+    ("eps_high", lambda v: v >= 0, "at least 0"),
+    ("dual_clip", lambda v: v == 0 or v > 1, "0 (off) or above 1 (the paper's 3)"),
+    ("grad_clip", lambda v: v > 0, "above 0 (a global norm)"),
+    ("weight_decay", lambda v: v >= 0, "at least 0"),
+    ("kl_coef", lambda v: v >= 0, "0 (off) or a positive weight"),
+    ("entropy_coef", lambda v: v >= 0, "0 (off) or a positive weight"),
+    ("tis_cap", lambda v: v == 0 or v >= 1, "0 (off) or a cap of at least 1 (trl's default is 2)"),
+    ("alpha", lambda v: v >= 0, "at least 0 (the weight of the team reward)"),
+    ("invalid_penalty", lambda v: v >= 0, "at least 0"),
+    ("search_topk", lambda v: v >= 1, "at least 1 passage per search"),
+    ("dynamic_sampling", lambda v: v == 0 or v >= 2, "0 (off) or at least 2 rollouts per step "
+                                                      "(DAPO's max_num_gen_batches)"),
+    ("alternate_every", lambda v: v >= 0, "0 (every trained role every step) or a number of steps"),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
+    ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
+    ("test_timeout", lambda v: v > 0, "above 0 seconds"),
+    ("nccl_timeout_min", lambda v: v > 0, "above 0 minutes"),
+    ("world", lambda v: v >= 0, "0 (this launch's) or a number of ranks"),
+    ("gpu_gb", lambda v: v >= 0, "0 (the GPU's own) or GiB"),
+]
+
+
+def check(cfg, given):
+    """Every misuse that can be named before anything loads, each with the flag to change."""
+    for name, holds, instead in BOUNDS:
+        for value in P.flag_values(cfg, name):
+            if not holds(value):
+                raise SystemExit(f"--{name} {value}: use {instead}")
+    check_task(cfg)
+    check_method(cfg, given)
+    check_search(cfg)
+    check_model(cfg)
+    check_run_folder(cfg)
+
+
+def check_task(cfg):
+    """The task, its workflow and roles, and what scoring it needs installed."""
+    try:
+        E.check_task(cfg["task"], cfg["workflow"])
+    except ValueError as e:
+        raise SystemExit(str(e))
+    roles = P.task_roles(cfg)
+    unknown = [r for r in cfg["train_roles"].split(",") if r and r not in roles]
+    if unknown:
+        raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role "
+                         f"{unknown[0]!r}; its roles are {', '.join(roles)}")
+    if cfg["task"] == "math" and importlib.util.find_spec("math_verify") is None:
+        raise SystemExit("--task math scores answers with math-verify, which is not installed: run "
+                         "./setup.sh, or pip install math-verify")
+    tiny_run = P.is_tiny(cfg)
+    budget = min(P.flag_values(cfg, "max_new_tokens"))
+    if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:
+        raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, --max_new_tokens - 1 = "
+                         f"{budget - 1}]: a warm-up answer and its end of turn must fit the "
+                         "response budget")
+    if tiny_run and cfg["task"] == "sudoku" and not 1 <= cfg["warmup_moves"] <= 16:
+        raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, 16]: Sudoku's warm-up "
+                         "answers fill that many of the 16 cells")
+
+
+def check_method(cfg, given):
+    """The algorithm's flags that only make sense together."""
+    gigpo = cfg["algo"] == "gigpo"
+    if cfg["dynamic_sampling"] and gigpo:
+        raise SystemExit("--dynamic_sampling filters one kind of group, and gigpo has two (episodes and "
+                         "anchor states): use it with --algo at_grpo, grpo or dr_mas, or drop it")
+    if gigpo and cfg["scale_rewards"] == "batch":
+        raise SystemExit("--scale_rewards batch divides by the step's std, and gigpo normalizes within "
+                         "its groups (verl-agent: mean_norm or mean_std_norm): use --scale_rewards "
+                         "none or group with --algo gigpo")
+    if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
+        raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
+                         "here: add --dynamic_sampling 3, or drop --refill")
+    if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
+        raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's "
+                         "losing branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores "
+                         "each call)")
+    if "batch_std_steps" in given and cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
+        raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with "
+                         f"--scale_rewards group (not {cfg['scale_rewards']}), or drop --batch_std_steps")
+    if cfg["pack"] and cfg["split"] != "groups":
+        raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one "
+                         "mini-batch: use --split groups")
+    if P.flag_values(cfg, "top_p") != [1.0]:  # vLLM's processed log-probs: renormalised over the nucleus
+        raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the "
+                         "trainer's full softmax")
+
+
+def check_search(cfg):
+    """--task search's flags: its files exist, its questions bring passages or a retriever is given."""
+    searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
+    if searching and cfg["task"] != "search":
+        raise SystemExit(f"--{searching[0]} is for --task search")
+    for k in ("search_train", "search_test"):
+        if cfg[k] and not os.path.isfile(cfg[k]):
+            raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or "
+                             "HotpotQA's)")
+        if cfg[k] and not cfg["retriever"]:
+            try:
+                rows = retrieval.load_questions(cfg[k])
+            except ValueError as e:
+                raise SystemExit(str(e))
+            if any(row["passages"] is None for row in rows):
+                raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give "
+                                 "them a corpus, --retriever bm25:CORPUS.jsonl or "
+                                 "http://HOST:PORT/retrieve")
+    if cfg["retriever"].startswith("bm25:") and not os.path.isfile(cfg["retriever"][5:]):
+        raise SystemExit(f"--retriever {cfg['retriever']}: no such corpus file (Search-R1's jsonl: id, "
+                         "contents)")
+    if cfg["retriever"] and not cfg["retriever"].startswith(("bm25:", "http://", "https://")):
+        raise SystemExit(f"--retriever {cfg['retriever']!r}: use bm25:CORPUS.jsonl or "
+                         "http://HOST:PORT/retrieve")
+
+
+def check_model(cfg):
+    """The models, policies and devices: every role and policy misuse (policies.resolve), a model
+    folder that is not one, GPUs torch cannot see."""
+    pols, _ = P.resolve(cfg)
+    tiny_run = P.is_tiny(cfg)
+    if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
+        raise SystemExit("different base models per role need one vLLM engine each, and vLLM 0.32 "
+                         "allows one sleep-mode engine per process (one CuMem allocator): give every "
+                         "role the same base (--policies per_role trains a model per role on it), or "
+                         "use --engine torch")
+    if cfg["pack"] and torch.cuda.is_available() and not tiny_run:
+        # flex attention and its block mask compile again for every packed row length (docs/gpu.md)
+        raise SystemExit("--pack true is for CPU and the tiny model for now: on CUDA flex attention "
+                         "recompiles for every packed row length: drop --pack")
+    named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
+    if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
+        raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no "
+                         "config.json): download one (e.g. huggingface-cli download Qwen/Qwen3-1.7B "
+                         "--local-dir ...) or omit --model")
+    if named and not cfg["dry_run"]:
+        raise SystemExit(f"--model {cfg['model']} is a named size without weights: use it with "
+                         "--dry_run, or point --model at a Qwen3 folder")
+    if not tiny_run and not cfg["dry_run"]:
+        unseen = C.unseen_gpus()  # else a real model trains on the CPU, for days
+        if unseen:
+            raise SystemExit(f"nvidia-smi lists {unseen} GPU(s) but torch {torch.__version__} (CUDA "
+                             f"{torch.version.cuda}) cannot use them: install a driver that serves that "
+                             "CUDA version, or a torch build for this driver, until python -c 'import "
+                             "torch; print(torch.cuda.is_available())' says True")
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg["envs_per_step"] % world_env:
+        raise SystemExit(f"--envs_per_step {cfg['envs_per_step']} does not divide over {world_env} "
+                         f"ranks: use a multiple of {world_env}")
+
+
+def check_run_folder(cfg):
+    """The run folder can be written, the stop step lies in the run, a resume has its checkpoint,
+    and --wandb has its package."""
+    if cfg["wandb"] and importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
+    if not 0 <= cfg["stop_step"] <= cfg["steps"]:
+        raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] "
+                         "(0 = run all the steps)")
+    out = cfg["out_dir"]
+    if not out.strip():
+        raise SystemExit("--out_dir is empty: name the run's folder, e.g. --out_dir runs/plan-seed1")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out_dir {out!r} is a file, not a folder: name another --out_dir")
+    parent = existing_parent(os.path.abspath(out))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out_dir {out!r}: {parent!r} is not writable: name a folder you can write")
+    if cfg["resume"] and not os.path.exists(os.path.join(out, "ckpt", "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {os.path.join(out, 'ckpt')!r}")
+
+
+def existing_parent(path):
+    """The nearest folder of `path` (itself included) that exists: where its folders will be made."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def search_settings(cfg):
+    """--task search: passages per search, the retriever (None: each question's own passages: the
+    generated worlds, HotpotQA's context), the answer's metric. A retrieval server is asked once
+    here."""
+    if cfg["task"] != "search":
+        return None
+    retriever = None
+    if cfg["retriever"].startswith("bm25:"):
+        retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+    elif cfg["retriever"]:
+        retriever = retrieval.HttpRetriever(cfg["retriever"])
+        retriever.check()
+    return dict(topk=cfg["search_topk"], retriever=retriever, metric=cfg["search_metric"])
