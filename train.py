@@ -260,9 +260,9 @@ def config_line(cfg):
 def help_text():
     return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
             + C.usage(__file__, FLAGS, PRESETS)
-            + "\n\nA value in [...] is a preset's own; the default is tiny (tiny-sokoban, tiny-sudoku)"
-            " without --model, paper (paper-math, paper-code) with it. Per-role flags take"
-            " ROLE=VALUE,...")
+            + "\n\nA value in [...] is a preset's own (presets: " + ", ".join(PRESETS) + "); the default is"
+            " the task's tiny-* without --model (tiny for code, math), paper-* with it (paper for the games)."
+            " Per-role flags take ROLE=VALUE,...")
 
 
 # The bounds of the numeric flags: (flag, holds, what to use instead). A value outside them makes
