@@ -94,8 +94,8 @@ def help_text(source, flags, presets):
     return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
             + C.usage(source, flags, presets)
             + f"\n\nA value in [...] is a preset's own (presets: {', '.join(presets)}); the default is"
-            " tiny-plan (tiny-sokoban, ...) without --model, paper (paper-math, ...) with it."
-            " Per-role flags take ROLE=VALUE,...")
+            " the task's tiny-* without --model (tiny for code, math), paper-* with it (paper for the"
+            " games). Per-role flags take ROLE=VALUE,...")
 
 
 # -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """
-The tasks of the AT-GRPO paper, each a two-agent workflow.
+The tasks of the AT-GRPO paper and Dr. MAS's workflows: two agents on most, three on search (verifier,
+search, answer), N + M + 1 in a math team (N reasoners, M tool agents, a judge).
 
     env = make_env("plan", seed=3)            # or make_env("code", row=...), see TASKS / load_split
     msgs = env.observe("tool")                # chat messages for that role (render with the chat template)

@@ -13,7 +13,7 @@ do not use it), rope scaling (not used at the context lengths of the paper), att
 
 Also here: the tiny random Qwen3 plus a byte-level tokenizer with a Qwen3-style chat template that
 every CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache forward that
-the pure-torch sampler in rollout.py decodes with.
+the pure-torch sampler in engines.py decodes with.
 """
 import json
 import os
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         # right-padded training batch: causal alone is right, pads only follow real tokens
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        # packed rows on CUDA (train.collate): the block structure, no dense T x T mask
+        # packed rows on CUDA (grpo_mas.collate): the block structure, no dense T x T mask
         elif isinstance(mask, BlockMask):
             y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:

@@ -4565,7 +4565,8 @@ def test_code_is_written_at_the_anchors_width():
 
 def test_citations_point_into_the_project():
     """The method's citations resolve inside the project (docs/method.md and its numbered sections); nothing cites a
-    document that does not ship."""
+    document that does not ship; a `module.name` (or `module.Class.method`) in a comment, docstring or doc names
+    something that module defines, read from its source with ast (config.X is skipped while config.py is absent)."""
     import glob
     import re
     method = open(os.path.join(HERE, "docs", "method.md")).read()
@@ -4576,6 +4577,58 @@ def test_citations_point_into_the_project():
         assert "SP" + "EC" not in text, path  # (spelled apart: this file is checked too)
         for n in re.findall(r"docs/method\.md §(\d+)", text):
             assert n in sections, (path, n)
+    # `module.name` in a comment, docstring or doc names something that module defines (read with ast, not imported)
+    import ast
+    import io
+    import tokenize
+    modules = ["train", "grpo_mas", "rollout", "model", "envs", "engines", "policies", "common", "tiny", "scripted",
+               "eval", "memory", "judge", "sandbox", "retrieval", "bench", "config"]
+    not_names = {"py", "json", "jsonl", "md", "txt", "png", "csv", "yaml", "toml", "sh", "log", "pt", "bin",
+                 "safetensors"}  # file names: train.py, config.json, model.safetensors
+    foreign = {"model.to", "model.layers",  # torch's Module.to on a variable; HF's parameter names (model.layers.0...)
+               "rollout.n", "rollout.temperature"}  # verl's config keys
+
+    def defined(body):
+        names = {}
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names[node.name] = None
+            elif isinstance(node, ast.ClassDef):
+                names[node.name] = defined(node.body)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for t in ast.walk(target):
+                        if isinstance(t, ast.Name):
+                            names[t.id] = None
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For)):
+                for part in ("body", "orelse", "finalbody"):
+                    names.update(defined(getattr(node, part, [])))
+                for handler in getattr(node, "handlers", []):
+                    names.update(defined(handler.body))
+        return names
+    defs = {m: defined(ast.parse(open(os.path.join(HERE, m + ".py")).read()).body) for m in modules
+            if os.path.exists(os.path.join(HERE, m + ".py"))}  # config.py may not exist yet
+
+    def prose(path, text):
+        """A .py file's comments and docstrings; a doc's whole text."""
+        if not path.endswith(".py"):
+            return text
+        parts = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                parts.append(ast.get_docstring(node, clean=False) or "")
+        return "\n".join(parts)
+    reference = re.compile(r"(?<![\w./-])(%s)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?" % "|".join(modules))
+    stale = []
+    for path, text in texts.items():
+        for m, name, attr in reference.findall(prose(path, text)):
+            if m not in defs or name in not_names or f"{m}.{name}" in foreign:
+                continue
+            if name not in defs[m]:
+                stale.append((os.path.relpath(path, HERE), f"{m}.{name}"))
+            elif attr and defs[m][name] is not None and attr not in defs[m][name]:
+                stale.append((os.path.relpath(path, HERE), f"{m}.{name}.{attr}"))
+    assert not stale, "references to names their module does not define: %s" % sorted(set(stale))
 
 
 def test_no_import_cycles():

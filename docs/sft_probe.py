@@ -9,7 +9,7 @@ instances, and on states along their solutions as later turns see them) and save
 Sokoban's answer: the first 7 moves of a BFS-shortest solution (the tiny budget: 7 moves and the end of turn).
 Sudoku's: the 16-digit grid with the unique solution's digit in every empty cell and 0 ("no answer") elsewhere.
 If this reaches what RL does not, the model and the view can hold an instance-dependent policy and RL's signal is
-what is missing. The format warm-up's optimiser settings and step (train.sft_step), 32 answers per step."""
+what is missing. The format warm-up's optimiser settings and step (tiny.sft_step), 32 answers per step."""
 import os
 import random
 import shutil
