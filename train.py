@@ -397,19 +397,20 @@ def check(cfg, given):
 
 
 def check_search(cfg):
-    """--task search's flags: its files exist, its questions bring passages or a retriever is given."""
+    """--task search's flags: its files exist, every row of its question files is checked (with or
+    without --retriever, before any model loads), its questions bring passages or a retriever is given."""
     searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
     if searching and cfg["task"] != "search":
         raise SystemExit(f"--{searching[0]} is for --task search")
     for k in ("search_train", "search_test"):
         if cfg[k] and not os.path.isfile(cfg[k]):
             raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or HotpotQA's)")
-        if cfg[k] and not cfg["retriever"]:
+        if cfg[k]:
             try:
-                rows = retrieval.load_questions(cfg[k])
+                rows = retrieval.load_questions(cfg[k])  # a ValueError names the file and the row
             except ValueError as e:
-                raise SystemExit(str(e))
-            if any(row["passages"] is None for row in rows):
+                raise SystemExit(f"--{k}: {e}")
+            if not cfg["retriever"] and any(row["passages"] is None for row in rows):
                 raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give them a "
                                  "corpus, --retriever bm25:CORPUS.jsonl or http://HOST:PORT/retrieve")
     if cfg["retriever"].startswith("bm25:") and not os.path.isfile(cfg["retriever"][5:]):
