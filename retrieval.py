@@ -9,8 +9,9 @@ too), by URL.
     hits = server.search("who wrote hamlet", 3)    # POST {"queries", "topk", "return_scores"}
 
 A passage is Search-R1's corpus row: {"id", "contents"}, contents = '"Title"\\ntext'. A search that
-fails (server down, a reply that is not the API's) raises RetrievalError: the env counts it and shows
-the agent that its search failed; it is never an empty result.
+fails (server down, any transport or protocol error, a reply that is not the API's, over the size
+cap or past the deadline) raises RetrievalError: the env counts it and shows the agent that its
+search failed; it is never an empty result, and never another exception.
 """
 import hashlib
 import http.client
@@ -56,7 +57,8 @@ def count(failed, error=""):
         stats["failures"] += int(failed)
         failures = stats["failures"]
     if failed and (failures <= 3 or failures % 100 == 0):
-        print(f"search failure {failures} (of {stats['calls']} searches): {error}", file=sys.stderr, flush=True)
+        print(f"search failure {failures} (of {stats['calls']} searches): {error}", file=sys.stderr,
+              flush=True)
 
 
 def tokenize(text):
@@ -66,7 +68,8 @@ def tokenize(text):
 class BM25:
     """Okapi BM25 with Lucene's idf, log(1 + (N - df + 0.5) / (df + 0.5)), and k1 = 1.5, b = 0.75:
     the scores of bm25s's method "lucene" (the test checks them against it). Ties go to the earlier
-    passage."""
+    passage. Written by hand, not bm25s: importing bm25s loads llvmlite, which breaks vLLM's scan of
+    sys.modules at start-up (docs/design.md, "BM25 stays written by hand")."""
 
     def __init__(self, passages, k1=1.5, b=0.75):
         self.passages = list(passages)
@@ -115,23 +118,25 @@ class HttpRetriever:
         except RetrievalError as e:
             raise RetrievalError(f"{self.url}: {e}") from None
         # every other way a reply can go wrong: http.client's errors derive from HTTPException, not
-        # OSError; a bad URL, a body that is not UTF-8 or JSON are ValueErrors; deep nesting recurses
+        # OSError; a bad URL, a body not UTF-8 or not JSON are ValueErrors; deep nesting recurses
         except (http.client.HTTPException, OSError, ValueError, RecursionError) as e:
             raise RetrievalError(f"{self.url}: {type(e).__name__}: {str(e)[:200]}") from None
 
     def post(self, body):
         """The reply's body to one POST, read within one deadline: a timer shuts the socket down at
-        `timeout` (a socket timeout alone bounds each read, and a dripping server never trips it)."""
+        `timeout` (a socket timeout bounds each read alone: a dripping server never trips it)."""
         start = time.monotonic()
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise RetrievalError("not an http(s)://HOST:PORT/retrieve URL")
-        connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = connection(parts.hostname or "", parts.port, timeout=self.timeout)
+        https = parts.scheme == "https"
+        conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+            parts.hostname, parts.port, timeout=self.timeout)
         timer = None
         try:
             conn.connect()  # bounded by the socket timeout
-            timer = threading.Timer(max(0.0, self.timeout - (time.monotonic() - start)), _cut, (conn.sock,))
+            left = max(0.0, self.timeout - (time.monotonic() - start))
+            timer = threading.Timer(left, _cut, (conn.sock,))
             timer.daemon = True
             timer.start()
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -173,9 +178,9 @@ class HttpRetriever:
         try:
             self.search("test", 1)
         except RetrievalError as e:
-            raise SystemExit(f"--retriever {self.url} is not a working retrieval server ({e}): start "
-                             "Search-R1's search_r1/search/retrieval_server.py (POST /retrieve) there, "
-                             "or use --retriever bm25:CORPUS.jsonl")
+            raise SystemExit(f"--retriever {self.url} is not a working retrieval server ({e}): "
+                             "start Search-R1's search_r1/search/retrieval_server.py "
+                             "(POST /retrieve) there, or use --retriever bm25:CORPUS.jsonl")
 
 
 def _cut(sock):
@@ -219,7 +224,7 @@ def load_corpus(path):
     passages = []
     for where, n, row in read_rows(path):
         if not isinstance(row, dict) or not isinstance(row.get("contents"), str):
-            raise ValueError(f"{where}: a corpus row is {{\"id\", \"contents\": \"...\"}} (Search-R1's)")
+            raise ValueError(f'{where}: a corpus row is {{"id", "contents": "..."}} (Search-R1\'s)')
         passages.append(Passage(str(row.get("id", n)), row["contents"]))
     if not passages:
         raise ValueError(f"{path}: no passages in it")
@@ -271,7 +276,8 @@ def load_questions(path):
 
 
 def question_row(row, where, n):
-    """One checked question row (see load_questions); `where` names it in errors, `n` its passages."""
+    """One checked question row (see load_questions): `where` names it in errors; `n` numbers its
+    passages."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a question is a JSON object, not {type(row).__name__}")
     answers = row.get("golden_answers")
@@ -285,21 +291,24 @@ def question_row(row, where, n):
                          "(Search-R1 / FlashRAG) or 'answer' (HotpotQA)")
     answers = [answers] if isinstance(answers, (str, int, float)) else answers
     if (not isinstance(answers, list) or not answers
-            or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in answers)):
-        raise ValueError(f"{where}: the gold answers are a string or a list of strings, not {answers!r:.80}")
+            or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                       for a in answers)):
+        raise ValueError(f"{where}: the gold answers are a string or a list of strings, "
+                         f"not {answers!r:.80}")
     passages, gold = None, ()
     if row.get("context"):
         context = row["context"]
         if not isinstance(context, list) or not all(
-                isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], list)
-                and all(isinstance(x, str) for x in c[1]) for c in context):
+                isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
+                and isinstance(c[1], list) and all(isinstance(x, str) for x in c[1])
+                for c in context):
             raise ValueError(f"{where}: 'context' is HotpotQA's [[title, [sentence, ...]], ...]")
         passages = [Passage(f"{n}-{i}", f'"{title}"\n' + " ".join(sentences))
                     for i, (title, sentences) in enumerate(context)]
         facts = row.get("supporting_facts") or []
-        if not isinstance(facts, list) or not all(isinstance(x, list) and x and isinstance(x[0], str)
-                                                  for x in facts):
-            raise ValueError(f"{where}: 'supporting_facts' is HotpotQA's [[title, sentence index], ...]")
+        if not isinstance(facts, list) or not all(
+                isinstance(x, list) and x and isinstance(x[0], str) for x in facts):
+            raise ValueError(f"{where}: 'supporting_facts' is HotpotQA's [[title, sentence], ...]")
         titles = {x[0] for x in facts}
         gold = tuple(p.id for p in passages if p.title in titles)
     return {"question": row["question"], "answers": [str(a) for a in answers], "passages": passages,

@@ -3268,6 +3268,11 @@ def test_bm25_scores_equal_bm25s():
     env = _world_env(3)
     for p in env.retriever.passages:
         assert env.retriever.search(p.id, 1) == [p]
+    # why BM25 is by hand (docs/design.md): bm25s loads llvmlite, which breaks vLLM's start-up scan
+    script = ("import sys, retrieval\nretrieval.BM25([retrieval.Passage('0', 'a b')]).search('a', 1)\n"
+              "print(sorted({'bm25s', 'numba', 'llvmlite'} & set(sys.modules)))")
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
 
 
 def test_http_retriever_against_a_stand_in_server():

@@ -870,7 +870,10 @@ def search_settings(cfg):
         return None
     retriever = None
     if cfg["retriever"].startswith("bm25:"):
-        retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+        try:
+            retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+        except ValueError as e:  # names the file and the line
+            raise SystemExit(f"--retriever {cfg['retriever']}: {e}")
     elif cfg["retriever"]:
         retriever = retrieval.HttpRetriever(cfg["retriever"])
         retriever.check()
