@@ -63,6 +63,7 @@ def configure(argv):
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
         raise SystemExit(str(e))
+    T.check_search({**cfg, "search_train": ""})  # every row of --search_test, before a model loads
     roles = P.task_roles(cfg)
     paths = role_models(cfg, roles)
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]

@@ -3441,7 +3441,11 @@ def test_http_retriever_turns_every_transport_failure_into_a_counted_failed_sear
         "contents a number": _http_reply(_hits({"id": "d0", "contents": 5})),
         "contents a list": _http_reply(_hits({"id": "d0", "contents": ["a"]})),
         "over the cap": _http_reply(_hits({"id": "d0", "contents": "x" * 200_000})),
+        "over the cap, no length": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n[" + b" " * 200_000 + b"]",
     }
+    why = {"BadStatusLine": "BadStatusLine", "IncompleteRead": "cut short", "LineTooLong": "LineTooLong",
+           "HTTP 500": "HTTP 500", "too deep": "RecursionError", "contents null": "a string 'contents'",
+           "over the cap": "over 100000", "over the cap, no length": "a reply over 100000 bytes"}
     # what a real http.client raises on three of them: HTTPException, not OSError (urllib lets it through)
     for name, exc in (("BadStatusLine", http.client.BadStatusLine), ("LineTooLong", http.client.LineTooLong),
                       ("IncompleteRead", http.client.IncompleteRead)):
@@ -3458,6 +3462,7 @@ def test_http_retriever_turns_every_transport_failure_into_a_counted_failed_sear
             with pytest.raises(retrieval.RetrievalError) as e:
                 retriever.search("hamlet", 3)
             assert len(str(e.value)) < 400, name  # the message joins the agents' prompt: kept short
+            assert why.get(name, "") in str(e.value), (name, str(e.value))
         # through the env: a failed search, counted, that the agents see as failed
         before = dict(retrieval.stats)
         env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"],
@@ -3549,8 +3554,8 @@ def test_search_metrics_are_the_official_scorers_on_named_cases():
 
 def test_question_files_are_validated_before_anything_loads(tmp_path):
     """Issue 59 item 6: every error names the file and the row (1-based line of a jsonl, item of a
-    JSON list), with or without --retriever, at configure time (before any model loads); HotpotQA's
-    own distributed file (one JSON list, hotpot_train_v1.1.json) loads."""
+    JSON list), with or without --retriever, at train.py's and eval.py's configure (before any model
+    loads); HotpotQA's own distributed file (one JSON list, hotpot_train_v1.1.json) loads."""
     import train as T
     good = {"question": "who wrote hamlet", "golden_answers": ["Shakespeare"]}
     hotpot = {"_id": "5a8b", "question": "Which is older?", "answer": "The Globe", "type": "comparison",
@@ -3575,6 +3580,8 @@ def test_question_files_are_validated_before_anything_loads(tmp_path):
         for retriever in ([], ["--retriever", "http://127.0.0.1:9/retrieve"]):
             with pytest.raises(SystemExit, match=f"--search_train: .*{message}"):
                 T.configure(["--task", "search", "--search_train", str(tmp_path / name), *retriever])
+            with pytest.raises(SystemExit, match=f"--search_test: .*{message}"):  # eval.py too
+                V.configure(["--task", "search", "--search_test", str(tmp_path / name), *retriever])
 
 
 def test_train_survives_a_misbehaving_retrieval_server(tmp_path, tiny_dir):
