@@ -215,7 +215,9 @@ def check_method(cfg, given):
 
 
 def check_search(cfg):
-    """--task search's flags: its files exist, its questions bring passages or a retriever is given."""
+    """--task search's flags: its files exist, every row of its question files is checked (with or
+    without --retriever, before any model loads), its questions bring passages or a retriever is
+    given."""
     searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
     if searching and cfg["task"] != "search":
         raise SystemExit(f"--{searching[0]} is for --task search")
@@ -223,12 +225,12 @@ def check_search(cfg):
         if cfg[k] and not os.path.isfile(cfg[k]):
             raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or "
                              "HotpotQA's)")
-        if cfg[k] and not cfg["retriever"]:
+        if cfg[k]:
             try:
-                rows = retrieval.load_questions(cfg[k])
+                rows = retrieval.load_questions(cfg[k])  # a ValueError names the file and the row
             except ValueError as e:
-                raise SystemExit(str(e))
-            if any(row["passages"] is None for row in rows):
+                raise SystemExit(f"--{k}: {e}")
+            if not cfg["retriever"] and any(row["passages"] is None for row in rows):
                 raise SystemExit(f"--{k}: its questions bring no passages (no HotpotQA context): give "
                                  "them a corpus, --retriever bm25:CORPUS.jsonl or "
                                  "http://HOST:PORT/retrieve")
@@ -310,7 +312,10 @@ def search_settings(cfg):
         return None
     retriever = None
     if cfg["retriever"].startswith("bm25:"):
-        retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+        try:
+            retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
+        except ValueError as e:  # names the file and the line
+            raise SystemExit(f"--retriever {cfg['retriever']}: {e}")
     elif cfg["retriever"]:
         retriever = retrieval.HttpRetriever(cfg["retriever"])
         retriever.check()

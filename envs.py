@@ -1139,7 +1139,7 @@ class SearchEnv(Env):
                 hits = self.retriever.search(query, self.topk)
                 retrieval.count(failed=False)
             except retrieval.RetrievalError as e:
-                retrieval.count(failed=True)
+                retrieval.count(failed=True, error=str(e))
                 self.history.append((query, f"(the search failed: {e})"))
                 return 0.0
             new = [p for p in hits if p.id not in self.seen]

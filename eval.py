@@ -65,6 +65,7 @@ def configure(argv):
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
         raise SystemExit(str(e))
+    config.check_search({**cfg, "search_train": ""})  # every row of --search_test, before a model loads
     roles = P.task_roles(cfg)
     paths = role_models(cfg, roles)
     for f in filter(None, cfg["files"].split(",")):  # your own, or a shipped one under data/

@@ -381,21 +381,27 @@ def normalize_answer(text):
 
 
 def exact_match(prediction, answers):
-    """1.0 if the normalized prediction equals any normalized gold answer."""
+    """1.0 if the normalized prediction equals any normalized gold answer: Search-R1's em_check
+    (verl/utils/reward_score/qa_em.py; a bare string is one answer)."""
     if prediction is None:
         return 0.0
+    answers = [answers] if isinstance(answers, str) else answers
     return float(any(normalize_answer(prediction) == normalize_answer(a) for a in answers))
 
 
 def f1_score(prediction, answers):
-    """The best token F1 of the normalized prediction against any gold answer (SQuAD's)."""
+    """The best over the gold answers of HotpotQA's official f1_score (hotpot_evaluate_v1.py): SQuAD's
+    token F1 after normalization, except that a prediction or gold answer that normalizes to yes, no
+    or noanswer scores 0 unless the two are equal (a yes/no question is right or wrong, not half)."""
     if prediction is None:
         return 0.0
     best = 0.0
-    for answer in answers:
-        pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
-        common = sum((Counter(pred) & Counter(gold)).values())
+    for answer in [answers] if isinstance(answers, str) else answers:
+        pred, gold = normalize_answer(prediction), normalize_answer(answer)
+        if (pred in ("yes", "no", "noanswer") or gold in ("yes", "no", "noanswer")) and pred != gold:
+            continue
+        common = sum((Counter(pred.split()) & Counter(gold.split())).values())
         if common:
-            precision, recall = common / len(pred), common / len(gold)
+            precision, recall = common / len(pred.split()), common / len(gold.split())
             best = max(best, 2 * precision * recall / (precision + recall))
     return best

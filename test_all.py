@@ -3269,6 +3269,11 @@ def test_bm25_scores_equal_bm25s():
     env = _world_env(3)
     for p in env.retriever.passages:
         assert env.retriever.search(p.id, 1) == [p]
+    # why BM25 is by hand (docs/design.md): bm25s loads llvmlite, which breaks vLLM's start-up scan
+    script = ("import sys, retrieval\nretrieval.BM25([retrieval.Passage('0', 'a b')]).search('a', 1)\n"
+              "print(sorted({'bm25s', 'numba', 'llvmlite'} & set(sys.modules)))")
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
 
 
 def test_http_retriever_against_a_stand_in_server():
@@ -3312,7 +3317,7 @@ def test_http_retriever_against_a_stand_in_server():
         server.server_close()
     before = dict(retrieval.stats)
     down = retrieval.HttpRetriever(url, timeout=2.0)
-    with pytest.raises(SystemExit, match="does not answer"):
+    with pytest.raises(SystemExit, match="is not a working retrieval server"):
         down.check()
     env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"], "passages": None,
                                     "gold": ()}, search=dict(topk=2, retriever=down))
@@ -3344,6 +3349,265 @@ def test_questions_load_in_search_r1_and_hotpotqa_formats(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "no answer"}))
     with pytest.raises(ValueError, match="golden_answers"):
         retrieval.load_questions(str(tmp_path / "bad.jsonl"))
+
+
+class _RawServer:
+    """A loopback TCP server (127.0.0.1 only) whose n-th connection gets `replies[n % len]`: bytes
+    to send, a callable given the socket, or a list of (bytes, seconds to wait after) for a slow
+    server. It reads the request first, so that the client sees the reply and not a reset. It serves
+    on daemon threads and stops by itself after `lifetime` seconds (or at stop())."""
+
+    def __init__(self, replies, lifetime=60.0):
+        import socket
+        import threading
+        self.replies, self.served = replies, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/retrieve"
+        self.deadline = time.monotonic() + lifetime
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        import threading
+        while time.monotonic() < self.deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # the accept timeout (check the deadline), or stop() closed the socket
+                if self.sock.fileno() < 0:
+                    return
+                continue
+            reply = self.replies[self.served % len(self.replies)]
+            self.served += 1
+            threading.Thread(target=self.answer, args=(conn, reply), daemon=True).start()
+
+    @staticmethod
+    def answer(conn, reply):
+        conn.settimeout(10)
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536) or b"\r\n\r\n"
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = [int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")]
+            while length and len(body) < length[0]:
+                body += conn.recv(65536) or b"x" * length[0]
+            for piece, wait in (reply if isinstance(reply, list) else [(reply, 0)]):
+                conn.sendall(piece)
+                time.sleep(wait)
+        except OSError:  # the client gave up (a slow reply past its deadline): that is the point
+            pass
+        finally:
+            conn.close()
+
+    def stop(self):
+        self.sock.close()
+
+
+def _http_reply(body, status=b"200 OK", length=None):
+    """An HTTP/1.1 reply: JSON `body` (or raw bytes), Content-Length `length` (default: the body's)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    length = len(data) if length is None else length
+    return (b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(length).encode() + b"\r\nConnection: close\r\n\r\n" + data)
+
+
+def _hits(*docs):
+    """Search-R1's /retrieve reply with scores: {"result": [[{"document": doc, "score": s}, ...]]}."""
+    return {"result": [[{"document": d, "score": 1.0 / (i + 1)} for i, d in enumerate(docs)]]}
+
+
+def test_http_retriever_turns_every_transport_failure_into_a_counted_failed_search():
+    """Issue 59 items 1-3 and 7 against raw loopback servers: what a real http.client raises when
+    another service answers on the port (BadStatusLine), a reply is cut short (IncompleteRead), a
+    header line is over 64 KiB (LineTooLong), plus an HTTP 500, a body that is not JSON, JSON of the
+    wrong shape, a document whose contents is not a string, and a body over the reply cap: each is a
+    RetrievalError (never a passage, never another exception), counted as a failed search by the env.
+    A server that drips its reply one byte each 0.1 s is cut at the timeout (one deadline for the
+    reply), not held until it finishes; the start-up probe stops the run with one line."""
+    import http.client
+    import urllib.request
+    good = _http_reply(_hits({"id": "d0", "contents": '"Doc 0"\nabout hamlet'}))
+    broken = {
+        "BadStatusLine": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+        # cut short: Content-Length says 500; the body sent is whole JSON, so only the length tells
+        "IncompleteRead": _http_reply(_hits({"id": "d0", "contents": "x"}), length=500),
+        "cut mid-JSON": _http_reply(_hits({"id": "d0", "contents": "x"}))[:-10],
+        "LineTooLong": b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n",
+        "HTTP 500": _http_reply(b"Internal Server Error", status=b"500 Internal Server Error"),
+        "not JSON": _http_reply(b"<html>It works!</html>"),
+        "too deep": _http_reply(b"[" * 100000),
+        "wrong shape": _http_reply({"result": []}),
+        "hits not documents": _http_reply({"result": [[1, 2]]}),
+        "contents null": _http_reply(_hits({"id": "d0", "contents": None})),
+        "contents a number": _http_reply(_hits({"id": "d0", "contents": 5})),
+        "contents a list": _http_reply(_hits({"id": "d0", "contents": ["a"]})),
+        "over the cap": _http_reply(_hits({"id": "d0", "contents": "x" * 200_000})),
+        "over the cap, no length": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n[" + b" " * 200_000 + b"]",
+    }
+    why = {"BadStatusLine": "BadStatusLine", "IncompleteRead": "cut short", "LineTooLong": "LineTooLong",
+           "HTTP 500": "HTTP 500", "too deep": "RecursionError", "contents null": "a string 'contents'",
+           "over the cap": "over 100000", "over the cap, no length": "a reply over 100000 bytes"}
+    # what a real http.client raises on three of them: HTTPException, not OSError (urllib lets it through)
+    for name, exc in (("BadStatusLine", http.client.BadStatusLine), ("LineTooLong", http.client.LineTooLong),
+                      ("IncompleteRead", http.client.IncompleteRead)):
+        assert issubclass(exc, http.client.HTTPException) and not issubclass(exc, OSError)
+        server = _RawServer([broken[name]])
+        with pytest.raises(exc):
+            urllib.request.urlopen(urllib.request.Request(server.url, data=b"{}"), timeout=5).read()
+        server.stop()
+    server = _RawServer([good] + list(broken.values()))
+    try:
+        retriever = retrieval.HttpRetriever(server.url, timeout=5.0, max_reply_bytes=100_000)
+        assert retriever.search("hamlet", 3) == [retrieval.Passage("d0", '"Doc 0"\nabout hamlet')]
+        for name in broken:
+            with pytest.raises(retrieval.RetrievalError) as e:
+                retriever.search("hamlet", 3)
+            assert len(str(e.value)) < 400, name  # the message joins the agents' prompt: kept short
+            assert why.get(name, "") in str(e.value), (name, str(e.value))
+        # through the env: a failed search, counted, that the agents see as failed
+        before = dict(retrieval.stats)
+        env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"],
+                                        "passages": None, "gold": ()}, search=dict(topk=2, retriever=retriever))
+        env.step("verifier", "<verify>no</verify>")
+        server.served = 1  # the next connection gets BadStatusLine, the next IncompleteRead
+        assert env.step("search", "<search>hamlet</search>") == 0.0
+        assert "the search failed" in env.observe("verifier")[1]["content"]
+        assert retrieval.stats["failures"] == before["failures"] + 1
+        with pytest.raises(SystemExit, match="is not a working retrieval server"):
+            retriever.check()  # IncompleteRead on the probe: one line, not a traceback
+        server.served = 2
+        with pytest.raises(retrieval.RetrievalError, match="cut short: 73 of its 500 bytes"):
+            retriever.search("hamlet", 3)  # the same reply again, the message checked
+    finally:
+        server.stop()
+    # a reply that drips a byte each 0.1 s (valid JSON in the end, 15 s in all) against a 1 s timeout
+    reply = _http_reply(_hits({"id": "d0", "contents": "x"}))
+    slow = _RawServer([[(reply[i:i + 1], 0.1) for i in range(len(reply))]])
+    try:
+        start = time.monotonic()
+        with pytest.raises(retrieval.RetrievalError, match="within 1.0 s"):
+            retrieval.HttpRetriever(slow.url, timeout=1.0).search("hamlet", 1)
+        assert time.monotonic() - start < 2.0
+    finally:
+        slow.stop()
+
+
+def test_passages_without_an_id_get_a_stable_id_from_their_contents():
+    """Issue 59 item 4: Search-R1's BM25 server returns {title, text, contents} without an id when its
+    index stores the documents (`retrieval_server.py`, BM25Retriever._search), and without
+    return_scores the hits are the documents themselves. Every server shape gives each passage an id
+    of its own (from its contents where the server sends none), the same on every search; so the env's
+    de-duplication rewards a later search that brings a new answer-bearing passage."""
+    def doc(title, text, with_id=None):
+        d = {"title": title, "text": text, "contents": f'"{title}"\n{text}'}
+        return {**d, "id": with_id} if with_id is not None else d
+    a, b = doc("Globe", "a theatre in London"), doc("Hamlet", "a play by Shakespeare")
+    shapes = [_hits(a), _hits(b),                                    # BM25 with scores, no id
+              {"result": [[a]]}, {"result": [[b]]},                  # BM25 without scores, no id
+              _hits(doc("Globe", "a theatre in London", 7)), {"result": [[doc("Hamlet", "x", "h")]]}]
+    server = _RawServer([_http_reply(s) for s in shapes])
+    try:
+        retriever = retrieval.HttpRetriever(server.url, timeout=5.0)
+        got = [retriever.search("q", 3)[0] for _ in shapes]
+        assert [p.contents for p in got[:4]] == [a["contents"], b["contents"]] * 2
+        assert got[0].id and got[0].id != got[1].id and (got[0].id, got[1].id) == (got[2].id, got[3].id)
+        assert (got[4].id, got[5].id) == ("7", "h")  # the server's own ids where it sends them
+        server.served = 0
+        env = E.make_env("search", row={"question": "Who wrote Hamlet?", "answers": ["Shakespeare"],
+                                        "passages": None, "gold": ()}, search=dict(topk=3, retriever=retriever))
+        env.step("verifier", "<verify>no</verify>")
+        assert env.step("search", "<search>globe</search>") == 0.0  # no answer in it
+        env.end_turn()
+        env.step("verifier", "<verify>no</verify>")
+        assert env.step("search", "<search>hamlet</search>") == 0.5  # new, and bears the answer
+    finally:
+        server.stop()
+
+
+def test_search_metrics_are_the_official_scorers_on_named_cases():
+    """Issue 59 item 5. --search_metric f1 is HotpotQA's f1_score (hotpotqa/hotpot,
+    hotpot_evaluate_v1.py): SQuAD's normalization and token F1, except that a prediction or a gold
+    answer normalizing to yes, no or noanswer scores 0 unless both are equal; the best over the gold
+    answers. --search_metric em is Search-R1's em_check (verl/utils/reward_score/qa_em.py): 1 if the
+    normalized prediction equals any normalized gold answer. The expected values below are what those
+    two functions return on each case (worked by hand from their code)."""
+    f1_cases = [("yes indeed", ["yes"], 0.0),            # gold yes, prediction not yes: 0 (0.667 by tokens)
+                ("Yes.", ["yes"], 1.0),                  # both normalize to yes
+                ("no", ["No, it is not"], 0.0),          # prediction no, gold not no
+                ("noanswer", ["no answer"], 0.0),        # 'noanswer' vs 'no answer'
+                ("the Globe Theatre", ["Globe"], 2 * 0.5 * 1 / 1.5),
+                ("William Shakespeare wrote it", ["William Shakespeare"], 2 * 0.5 / 1.5),
+                ("Marlowe", ["Shakespeare"], 0.0),
+                ("no", ["yes", "no"], 1.0),              # the best over the gold answers
+                ("a an the", ["the"], 0.0)]              # nothing left after normalization
+    for prediction, golds, want in f1_cases:
+        assert J2.f1_score(prediction, golds) == pytest.approx(want), (prediction, golds)
+    em_cases = [("The Shakespeare!", ["William Shakespeare", "shakespeare"], 1.0),
+                ("an  apple", ["apple"], 1.0), ("apples", ["apple"], 0.0),
+                ("yes indeed", ["yes"], 0.0), ("Paris", "paris", 1.0)]  # a bare string is one answer
+    for prediction, golds, want in em_cases:
+        assert J2.exact_match(prediction, golds) == want, (prediction, golds)
+    env = E.make_env("search", row={"question": "Is it?", "answers": ["yes"], "passages": None, "gold": ()},
+                     search=dict(topk=1, retriever=None, metric="f1"))
+    env.step("verifier", "<verify>yes</verify>")
+    assert env.step("answer", "<answer>yes indeed</answer>") == 0.0
+
+
+def test_question_files_are_validated_before_anything_loads(tmp_path):
+    """Issue 59 item 6: every error names the file and the row (1-based line of a jsonl, item of a
+    JSON list), with or without --retriever, at train.py's and eval.py's configure (before any model
+    loads); HotpotQA's own distributed file (one JSON list, hotpot_train_v1.1.json) loads."""
+    import train as T
+    good = {"question": "who wrote hamlet", "golden_answers": ["Shakespeare"]}
+    hotpot = {"_id": "5a8b", "question": "Which is older?", "answer": "The Globe", "type": "comparison",
+              "context": [["The Globe", ["Built in 1599."]], ["Rose", ["Built in 1587."]]],
+              "supporting_facts": [["The Globe", 0]], "level": "hard"}
+    (tmp_path / "hotpot.json").write_text(json.dumps([hotpot, {**hotpot, "answer": "Rose"}]))
+    rows = retrieval.load_questions(str(tmp_path / "hotpot.json"))
+    assert [r["answers"] for r in rows] == [["The Globe"], ["Rose"]] and rows[1]["gold"] == ("1-0",)
+    bad = {"truncated.jsonl": (json.dumps(good) + "\n" + json.dumps(good)[:20], r"truncated.jsonl:2: not JSON"),
+           "noq.jsonl": (json.dumps(good) + "\n\n" + json.dumps({"golden_answers": ["x"]}),
+                         r"noq.jsonl:3: .*'question'"),
+           "answers.jsonl": (json.dumps({"question": "q", "golden_answers": [None]}), r"answers.jsonl:1: "),
+           "context.jsonl": (json.dumps({**hotpot, "context": [["t", "not a list"]]}), r"context.jsonl:1: .*context"),
+           "array.jsonl": ("[1, 2]", r"array.jsonl: row 1: "),
+           "truncated.json": (json.dumps([hotpot, hotpot])[:-30], r"truncated.json: not JSON"),
+           "noanswer.json": (json.dumps([hotpot, {"question": "q"}]), r"noanswer.json: row 2: "),
+           "empty.jsonl": ("\n", r"empty.jsonl: no questions")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            retrieval.load_questions(str(tmp_path / name))
+        for retriever in ([], ["--retriever", "http://127.0.0.1:9/retrieve"]):
+            with pytest.raises(SystemExit, match=f"--search_train: .*{message}"):
+                T.configure(["--task", "search", "--search_train", str(tmp_path / name), *retriever])
+            with pytest.raises(SystemExit, match=f"--search_test: .*{message}"):  # eval.py too
+                V.configure(["--task", "search", "--search_test", str(tmp_path / name), *retriever])
+
+
+def test_train_survives_a_misbehaving_retrieval_server(tmp_path, tiny_dir):
+    """A short training run (scripted policy) against a loopback server that answers the start-up probe,
+    then in turn a good reply, a garbage status line, a cut reply, a document with null contents and
+    a reply over the cap: the run finishes its steps, and the failures are in metrics.jsonl."""
+    import train as T
+    good = _http_reply(_hits({"id": "d0", "contents": '"a"\na>b=5'}))
+    server = _RawServer([good, good, b"garbage\r\n\r\n", good[:-5],
+                         _http_reply(_hits({"id": "d1", "contents": None})),
+                         _http_reply(b"[" + b" " * (17 << 20) + b"]")])
+    questions = tmp_path / "q.jsonl"
+    # the scripted policy searches the entity in quotes until its passage 'a>b=5' is in the history
+    questions.write_text(json.dumps({"question": "What is the value of the entity 'a'?", "golden_answers": ["5"]}))
+    out = tmp_path / "run"
+    try:
+        T.main(["--task", "search", "--engine", "scripted", "--model", tiny_dir, "--steps", "1",
+                "--envs_per_step", "2", "--K", "2", "--eval_every", "0", "--ckpt_every", "0",
+                "--search_train", str(questions), "--retriever", server.url, "--max_new_tokens", "64",
+                "--max_prompt_tokens", "1024", "--max_model_len", "1200", "--out_dir", str(out)])
+    finally:
+        server.stop()
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(recs) == 1 and sum(r["search_failures"] for r in recs) >= 3
+    assert all(r["search_calls"] >= r["search_failures"] for r in recs)
 
 
 def test_train_and_eval_run_the_search_and_solver_verifier_workflows(tmp_path, tiny_dir):
