@@ -126,6 +126,13 @@ class Env:
                 return stage
         return ()
 
+    def anchor(self, role):
+        """GiGPO's anchor state (docs/method.md §4): the env's own observation of its state, what
+        verl-agent's and Dr. MAS's envs return as `anchor_obs` (env_manager.py:30,54 there), so that
+        trajectories meeting one state at different turns share a step group. By default the
+        observation's user text: the code and math tasks' prompts carry no turn counter."""
+        return "\n".join(m["content"] for m in self.observe(role) if m["role"] == "user")
+
 
 class GridGame(Env):
     """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and
@@ -191,6 +198,11 @@ class GridGame(Env):
     def end_turn(self):
         self.turn += 1
         self.spoken = set()
+
+    def anchor(self, role):
+        """The board alone, for every role: the state, without the prompt's "turn N" and rules (as
+        Dr. MAS's anchor is the env's observation, not what another agent said this turn)."""
+        return self.board()
 
     def tool_line(self):
         """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the
@@ -1160,6 +1172,12 @@ class SearchEnv(Env):
         self.turn += 1
         self.spoken, self.verdict = set(), None
         self.done = self.done or self.turn >= self.max_turns
+
+    def anchor(self, role):
+        """The question and what each search brought (Dr. MAS's search env: the question, then the
+        retrieved information, env_manager.py:30,54), without "step N of M" or the queries' text."""
+        found = [hits if isinstance(hits, str) else tuple(p.id for p in hits) for _, hits in self.history]
+        return self.question, tuple(found)
 
     def observe(self, role):
         if self.compact:

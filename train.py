@@ -90,6 +90,7 @@ train_roles = ""           # roles whose samples train (tool,plan); "" = all; th
 alternate_every = 0        # N > 0: the trained roles take turns, one every N steps (0 = all at once)
 gigpo_gamma = 0.95         # --algo gigpo: the discount of the step returns (verl-agent's scripts)
 gigpo_step_weight = 1.0    # --algo gigpo: A = A_episode + this x A_step
+gigpo_episode = "agent"    # --algo gigpo: episode groups per agent | trajectory | call (method §4)
 branch = "greedy"          # greedy: the best branch continues; random (an ablation)
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
@@ -180,6 +181,7 @@ CHOICES = {
     "task": list(E.TASKS),
     "preset": ["", *PRESETS],
     "algo": ["at_grpo", "grpo", "dr_mas", "gigpo"],
+    "gigpo_episode": ["agent", "trajectory", "call"],
     "workflow": E.WORKFLOWS,
     "policies": ["shared", "per_role", "per_type", "lora"],
     "team_mode": ["aggregate", "refine"],
@@ -780,7 +782,8 @@ def main(argv):
             scale = "batch"
         if cfg["algo"] == "gigpo":  # episode groups plus anchor-state step groups
             kept, group_stats = gigpo_advantages(samples, cfg["gigpo_gamma"], cfg["gigpo_step_weight"],
-                                                 "none" if scale == "none" else "group")
+                                                 "none" if scale == "none" else "group",
+                                                 episode=cfg["gigpo_episode"])
         else:
             trainable = filled.kept if filled else samples
             kept, group_stats = compute_advantages(trainable, cfg["algo"], cfg["drop_zero_var"], scale,
