@@ -794,6 +794,11 @@ class MathEnv(Env):
         new.spoken = set(self.spoken)
         return new
 
+    def anchor(self, role):
+        """The problem and the previous turn's answers, the same for every role (a team's judge
+        too): the state, not what a teammate answered in this turn."""
+        return self.row["question"], tuple(sorted(self.prev.items()))
+
     def observe(self, role):
         task = f"Problem:\n{self.row['question']}"
         if self.turn > 0:
@@ -1174,10 +1179,10 @@ class SearchEnv(Env):
         self.done = self.done or self.turn >= self.max_turns
 
     def anchor(self, role):
-        """The question and what each search brought (Dr. MAS's search env: the question, then the
-        retrieved information, env_manager.py:30,54), without "step N of M" or the queries' text."""
-        found = [hits if isinstance(hits, str) else tuple(p.id for p in hits) for _, hits in self.history]
-        return self.question, tuple(found)
+        """The question and the passages retrieved so far, in the order found (Dr. MAS's search env:
+        the question, then the retrieved information, env_manager.py:30,54): what the team knows,
+        without "step N of M", the queries, or a search that brought nothing new."""
+        return self.question, tuple(self.seen)
 
     def observe(self, role):
         if self.compact:

@@ -2436,6 +2436,29 @@ def test_gigpo_against_verl_agents_recorded_oracle():
         assert [s.adv for s in ss] == pytest.approx([x["advantage"] for x in rows], rel=1e-5, abs=1e-5), case["name"]
 
 
+def test_gigpo_against_dr_mas_recorded_oracle():
+    """--algo gigpo in a multi-agent system against Dr. MAS's own functions (its verl/trainer/ppo/
+    core_algos.py at 19c632b, run once from a scratch folder outside the project:
+    compute_step_discounted_returns, then compute_gigpo_outcome_advantage with the group index of
+    ray_trainer.py:269-274), recorded in docs/gigpo_oracle_drmas.json: Plan-Path (two agents a turn),
+    a math team (three), search (two, one env with one trajectory), on the full tasks' anchors, where
+    trajectories meet one state at different turns; group_by_agent_id on (--gigpo_episode agent) and
+    off (trajectory), mean_norm and mean_std_norm, gamma 0.95 and 0.5."""
+    oracle = json.load(open(os.path.join(HERE, "docs", "gigpo_oracle_drmas.json")))
+    for case in oracle["cases"]:
+        rows = case["samples"]
+        uids = sorted({x["uid"] for x in rows})
+        trajs = sorted({x["traj_uid"] for x in rows})
+        ss = [Sample(policy=0, env=uids.index(x["uid"]), role=x["agent_id"], turn=x["env_step"],
+                     traj=trajs.index(x["traj_uid"]), prompt_ids=[1], response_ids=[1], sampler_logprobs=[0.0],
+                     reward=x["reward"], anchor=x["anchor"]) for x in rows]
+        for run in case["runs"]:
+            G.gigpo_advantages(ss, run["gamma"], run["step_advantage_w"],
+                               "none" if run["mode"] == "mean_norm" else "group", run["epsilon"],
+                               episode="agent" if run["group_by_agent_id"] else "trajectory")
+            assert [s.adv for s in ss] == pytest.approx(run["advantage"], rel=1e-5, abs=1e-5), (case["name"], run)
+
+
 def test_gigpo_by_hand_two_trajectories_meet_in_one_state():
     """Two trajectories of one env, gamma 0.5, mean_norm, w 1: trajectory 0 goes s0 -> s1 (rewards 0, 1),
     trajectory 1 goes s2 -> s1 (rewards 0, 3). Episode totals 1 and 3 over four calls: mean 2, so -1, -1, +1, +1.
