@@ -114,11 +114,11 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
                  state of the env (`s.anchor`, the env's own observation: the reference's
                  `anchor_obs`; the prompt where a sample has none), by any trajectory at any turn;
                  "agent" groups each agent's calls apart (core_algos.py:340-349 within `index`)
-    scale "none" subtracts the group's mean (mean_norm, verl-agent's default); "group" divides by the
-    unbiased std + eps too (mean_std_norm). A group of one member (one call, or one trajectory for
-    "trajectory"): episode mean 0 and std 1 (core_algos.py:288-290); step mean its own value (advantage
-    0, core_algos.py:430-432). `penalty`: subtracted from both, after discounting, for an ill-formed
-    answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+    scale "none" subtracts the group's mean (mean_norm, verl-agent's default); "group" divides by
+    the unbiased std + eps too (mean_std_norm). A group of one member (one call, or one trajectory
+    for "trajectory"): episode mean 0 and std 1 (core_algos.py:288-290); step mean its own value
+    (advantage 0, core_algos.py:430-432). `penalty`: subtracted from both, after discounting, for an
+    ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
     if episode not in GIGPO_EPISODES:
         raise ValueError(f"unknown gigpo episode groups {episode!r}: use call, trajectory or agent")
     trajectories = defaultdict(list)
@@ -136,7 +136,8 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
             turn_return[turn] = future
         for s in calls:
             invalid = penalty * (not s.formatted)
-            episode_value[id(s)], step_return[id(s)] = total - invalid, turn_return[s.turn] - invalid
+            episode_value[id(s)] = total - invalid
+            step_return[id(s)] = turn_return[s.turn] - invalid
 
     def normalize(groups, values, lone_mean_is_own, unit=id):
         """Each group's members normalized by its mean and std over its units: one value per unit
@@ -158,18 +159,18 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
                 out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
         return out, zero
     # the episode groups and the step groups within them (index = env, or (env, agent))
-    by_env, by_anchor = defaultdict(list), defaultdict(list)
+    by_index, by_anchor = defaultdict(list), defaultdict(list)
     for s in samples:
         index = (s.env, s.role) if episode == "agent" else (s.env,)
         anchor = s.anchor if s.anchor is not None else tuple(s.prompt_ids)
-        by_env[index].append(s)
+        by_index[index].append(s)
         by_anchor[index, anchor].append(s)
     unit = (lambda s: s.traj) if episode == "trajectory" else id
-    a_episode, zero_episode = normalize(by_env, episode_value, lone_mean_is_own=False, unit=unit)
+    a_episode, zero_episode = normalize(by_index, episode_value, lone_mean_is_own=False, unit=unit)
     a_step, zero_step = normalize(by_anchor, step_return, lone_mean_is_own=True)
     for s in samples:
         s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
-    n_groups = len(by_env) + len(by_anchor)
+    n_groups = len(by_index) + len(by_anchor)
     return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
