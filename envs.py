@@ -145,6 +145,13 @@ class Env:
         self.turn += 1
         self.spoken = set()
 
+    def anchor(self, role):
+        """GiGPO's anchor state (docs/method.md §4): the env's own observation of its state, what
+        verl-agent's and Dr. MAS's envs return as `anchor_obs` (env_manager.py:30,54 there), so that
+        trajectories meeting one state at different turns share a step group. By default the
+        observation's user text: the code and math tasks' prompts carry no turn counter."""
+        return "\n".join(m["content"] for m in self.observe(role) if m["role"] == "user")
+
 
 class GridGame(Env):
     """Shared by plan, sokoban and sudoku: the tool/plan workflow, observation assembly and
@@ -205,6 +212,11 @@ class GridGame(Env):
 
     def team_reward(self):
         return 1.0 if self.success else 0.0
+
+    def anchor(self, role):
+        """The board alone, for every role: the state, without the prompt's "turn N" and rules (as
+        Dr. MAS's anchor is the env's observation, not what another agent said this turn)."""
+        return self.board()
 
     def tool_line(self):
         """Compact mode: what the plan agent sees of the tool agent's turn, its answer and the
@@ -790,6 +802,11 @@ class MathEnv(Env):
         new.prev, new.pending = dict(self.prev), dict(self.pending)
         return new
 
+    def anchor(self, role):
+        """The problem and the previous turn's answers, the same for every role (a team's judge
+        too): the state, not what a teammate answered in this turn."""
+        return self.row["question"], tuple(sorted(self.prev.items()))
+
     def observe(self, role):
         task = f"Problem:\n{self.row['question']}"
         if self.turn > 0:
@@ -1164,6 +1181,12 @@ class SearchEnv(Env):
         super().end_turn()
         self.verdict = None
         self.done = self.done or self.turn >= self.max_turns
+
+    def anchor(self, role):
+        """The question and the passages retrieved so far, in the order found (Dr. MAS's search env:
+        the question, then the retrieved information, env_manager.py:30,54): what the team knows,
+        without "step N of M", the queries, or a search that brought nothing new."""
+        return self.question, tuple(self.seen)
 
     def observe(self, role):
         if self.compact:

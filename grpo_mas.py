@@ -11,8 +11,8 @@ made from one state, in a function of its own (`gigpo_advantages`). `advantages`
     at_grpo   (env, agent, turn)    the call's reward a*team + local   the K sibling candidates (tree)
     grpo      (env,)                the agent's trajectory return      the K trajectories x agents
     dr_mas    (env, agent)          the call's reward a*team + local   that agent's calls, all turns, K trajectories
-    gigpo     (env,) and            the trajectory's total, plus       the env's K trajectories, and
-              (env, anchor state)   the call's discounted return       the calls made from one state
+    gigpo     (env, agent) and      the trajectory's total, plus       the agent's calls in K trajectories,
+              (env, agent, anchor)  the env step's discounted return   and the calls made from one state
 
     A = (value - mean) / (std + 1e-6)    --scale_rewards group: the group's population std (the paper)
     A = value - mean                     --scale_rewards none (Dr. GRPO)
@@ -66,6 +66,7 @@ class Scheme:
     drop_zero_var: bool = False
     gigpo_gamma: float = 0.95
     gigpo_step_weight: float = 1.0
+    gigpo_episode: str = "agent"  # gigpo's episode groups: per agent, trajectory or call
 
     @classmethod
     def of(cls, cfg):
@@ -142,53 +143,86 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
     return kept, stats
 
 
-def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-6, penalty=0.0):
-    """GiGPO (Feng et al. 2025; verl-agent `gigpo/core_gigpo.py`), over K plain trajectories per env:
+GIGPO_EPISODES = ("call", "trajectory", "agent")
+
+
+def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-6, penalty=0.0,
+                     episode="agent"):
+    """GiGPO (Feng et al. 2025) in a multi-agent system as Dr. MAS runs it (its fork of verl,
+    verl/trainer/ppo/core_algos.py; docs/method.md §4), over K plain trajectories per env:
     A = A_episode + step_weight x A_step, one number per call.
-      A_episode  the trajectory's total reward, normalized within its env's group over every call (a
-                 trajectory counts once per call: verl-agent's compute_mean_std_cross_steps)
-      A_step     the call's discounted return, G_t = r_t + gamma G_(t+1) over its trajectory's calls in
-                 order, normalized within its anchor group: the env's calls made from one observation
-                 (the same prompt: the same state as the agent sees it), by any trajectory at any step
-    scale "none" subtracts the group's mean (verl-agent's mean_norm, its default); "group" divides by
-    the unbiased std + eps too (mean_std_norm). A group of one: episode mean 0 and std 1; step mean its
-    own value (advantage 0), as the reference. `penalty`: subtracted from both, after discounting, for
-    an ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+      A_episode  the trajectory's total reward, normalized within its episode group; `episode` says
+                 which (core_algos.py:281-285, ray_trainer.py:269-274):
+                   "agent"       per (env, agent), a trajectory counted once per call of that agent
+                                 (group_by_agent_id=True, which Dr. MAS's gigpo scripts set)
+                   "trajectory"  per env, each trajectory once (Dr. MAS's default)
+                   "call"        per env, a trajectory counted once per call (verl-agent's
+                                 compute_mean_std_cross_steps; "agent" with one agent)
+      A_step     the env step's discounted return, G_t = r_t + gamma G_(t+1) over the trajectory's
+                 turns, shared by every call of the turn (core_algos.py:156-173; a turn's reward is
+                 the sum of its calls'), normalized within its anchor group: the calls made from one
+                 state of the env (`s.anchor`, the env's own observation: the reference's
+                 `anchor_obs`; the prompt where a sample has none), by any trajectory at any turn;
+                 "agent" groups each agent's calls apart (core_algos.py:340-349 within `index`)
+    scale "none" subtracts the group's mean (mean_norm, verl-agent's default); "group" divides by
+    the unbiased std + eps too (mean_std_norm). A group of one member (one call, or one trajectory
+    for "trajectory"): episode mean 0 and std 1 (core_algos.py:288-290); step mean its own value
+    (advantage 0, core_algos.py:430-432). `penalty`: subtracted from both, after discounting, for an
+    ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+    if episode not in GIGPO_EPISODES:
+        raise ValueError(f"unknown gigpo episode groups {episode!r}: use call, trajectory or agent")
     if scale not in ("none", "group"):
         raise ValueError(f"gigpo normalizes with scale none or group, not {scale!r}")
     trajectories = defaultdict(list)
     for s in samples:
         trajectories[s.env, s.traj].append(s)
-    episode, step_return = {}, {}
+    episode_value, step_return = {}, {}
     for calls in trajectories.values():
         total, future = sum(s.reward for s in calls), 0.0
-        for s in reversed(calls):
-            future = s.reward + gamma * future
+        turn_reward = defaultdict(float)  # the env step's reward: what its calls earned together
+        for s in calls:
+            turn_reward[s.turn] += s.reward
+        turn_return = {}
+        for turn in sorted(turn_reward, reverse=True):  # gamma once per env step, not per call
+            future = turn_reward[turn] + gamma * future
+            turn_return[turn] = future
+        for s in calls:
             invalid = penalty * (not s.formatted)
-            episode[id(s)], step_return[id(s)] = total - invalid, future - invalid
+            episode_value[id(s)] = total - invalid
+            step_return[id(s)] = turn_return[s.turn] - invalid
 
-    def normalize(groups, values, lone_mean_is_own):
+    def normalize(groups, values, lone_mean_is_own, unit=id):
+        """Each group's members normalized by its mean and std over its units: one value per unit
+        (`unit(s)`; the first member's value stands for a unit of several, core_algos.py:281)."""
         out, zero = {}, 0
         for group in groups.values():
-            x = [values[id(s)] for s in group]
+            units = {}
+            for s in group:
+                units.setdefault(unit(s), values[id(s)])
+            x = list(units.values())
             if len(x) == 1:
                 mean, std = (x[0] if lone_mean_is_own else 0.0), 1.0
             else:
                 mean = sum(x) / len(x)
                 std = math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
             zero += len(x) > 1 and max(x) == min(x)
-            for s, v in zip(group, x):
+            for s in group:
+                v = values[id(s)]
                 out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
         return out, zero
-    by_env, by_anchor = defaultdict(list), defaultdict(list)
+    # the episode groups and the step groups within them (index = env, or (env, agent))
+    by_index, by_anchor = defaultdict(list), defaultdict(list)
     for s in samples:
-        by_env[s.env].append(s)
-        by_anchor[s.env, tuple(s.prompt_ids)].append(s)
-    a_episode, zero_episode = normalize(by_env, episode, lone_mean_is_own=False)
+        index = (s.env, s.role) if episode == "agent" else (s.env,)
+        anchor = s.anchor if s.anchor is not None else tuple(s.prompt_ids)
+        by_index[index].append(s)
+        by_anchor[index, anchor].append(s)
+    unit = (lambda s: s.traj) if episode == "trajectory" else id
+    a_episode, zero_episode = normalize(by_index, episode_value, lone_mean_is_own=False, unit=unit)
     a_step, zero_step = normalize(by_anchor, step_return, lone_mean_is_own=True)
     for s in samples:
         s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
-    n_groups = len(by_env) + len(by_anchor)
+    n_groups = len(by_index) + len(by_anchor)
     return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
@@ -202,7 +236,8 @@ def advantages(samples, scheme, step, all_sum=lambda v: v):
     if scale == "group" and step < scheme.batch_std_steps:
         scale = "batch"
     if scheme.algo == "gigpo":  # episode groups plus anchor-state step groups
-        return gigpo_advantages(samples, scheme.gigpo_gamma, scheme.gigpo_step_weight, scale)
+        return gigpo_advantages(samples, scheme.gigpo_gamma, scheme.gigpo_step_weight, scale,
+                                episode=scheme.gigpo_episode)
     return compute_advantages(samples, scheme.algo, scheme.drop_zero_var, scale, all_sum,
                               std_floor=scheme.std_floor)
 

@@ -66,6 +66,7 @@ class Sample:
     temperature: float = 1.0  # the temperature it was sampled at (the trainer scores it at the same)
     adv: float = 0.0
     ret: float = 0.0     # --algo grpo: the agent's return over its trajectory
+    anchor: object = None  # the env's state as it was answered (env.anchor): gigpo's step groups
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Candidate:
     team: float = 0.0        # the team's reward on that branch
     reward: float = 0.0      # alpha * team + local: what the group normalizes
     formatted: bool = True   # False when the answer got the format penalty
+    anchor: object = None    # the env's observation of the state answered (env.anchor), for gigpo
 
 
 class Agents:
@@ -217,8 +219,9 @@ def sample_groups(envs, live, stage, agents, K, sampling, timer):
         with timed(timer, "gen"):
             outputs = agents.generate(role, prompts, K, how)
         for i, prompt, completions in zip(live, prompts, outputs):
-            groups[i, role] = [Candidate(i, role, prompt, c, agents.decode(c), how.temperature)
-                               for c in completions]
+            anchor = envs[i].anchor(role)  # the state, without the prompt's turn counter
+            groups[i, role] = [Candidate(i, role, prompt, c, agents.decode(c), how.temperature,
+                                         anchor=anchor) for c in completions]
     return groups
 
 
@@ -235,7 +238,7 @@ def to_sample(c, agents, turn, traj=0):
                   prompt_ids=c.prompt_ids, response_ids=c.completion.ids,
                   sampler_logprobs=c.completion.logprobs, reward=float(c.reward),
                   local=float(c.local), team=float(c.team), formatted=c.formatted,
-                  temperature=c.temperature)
+                  temperature=c.temperature, anchor=c.anchor)
 
 
 def end_turn(env):

@@ -2437,18 +2437,139 @@ def test_gigpo_against_verl_agents_recorded_oracle():
         assert [s.adv for s in ss] == pytest.approx([x["advantage"] for x in rows], rel=1e-5, abs=1e-5), case["name"]
 
 
+def test_gigpo_against_dr_mas_recorded_oracle():
+    """--algo gigpo in a multi-agent system against Dr. MAS's own functions (its verl/trainer/ppo/
+    core_algos.py at 19c632b, run once from a scratch folder outside the project:
+    compute_step_discounted_returns, then compute_gigpo_outcome_advantage with the group index of
+    ray_trainer.py:269-274), recorded in docs/gigpo_oracle_drmas.json: Plan-Path (two agents a turn),
+    a math team (three), search (two, one env with one trajectory), on the full tasks' anchors, where
+    trajectories meet one state at different turns; group_by_agent_id on (--gigpo_episode agent) and
+    off (trajectory), mean_norm and mean_std_norm, gamma 0.95 and 0.5."""
+    oracle = json.load(open(os.path.join(HERE, "docs", "gigpo_oracle_drmas.json")))
+    for case in oracle["cases"]:
+        rows = case["samples"]
+        uids = sorted({x["uid"] for x in rows})
+        trajs = sorted({x["traj_uid"] for x in rows})
+        ss = [Sample(policy=0, env=uids.index(x["uid"]), role=x["agent_id"], turn=x["env_step"],
+                     traj=trajs.index(x["traj_uid"]), prompt_ids=[1], response_ids=[1], sampler_logprobs=[0.0],
+                     reward=x["reward"], anchor=x["anchor"]) for x in rows]
+        for run in case["runs"]:
+            G.gigpo_advantages(ss, run["gamma"], run["step_advantage_w"],
+                               "none" if run["mode"] == "mean_norm" else "group", run["epsilon"],
+                               episode="agent" if run["group_by_agent_id"] else "trajectory")
+            assert [s.adv for s in ss] == pytest.approx(run["advantage"], rel=1e-5, abs=1e-5), (case["name"], run)
+
+
 def test_gigpo_by_hand_two_trajectories_meet_in_one_state():
     """Two trajectories of one env, gamma 0.5, mean_norm, w 1: trajectory 0 goes s0 -> s1 (rewards 0, 1),
     trajectory 1 goes s2 -> s1 (rewards 0, 3). Episode totals 1 and 3 over four calls: mean 2, so -1, -1, +1, +1.
     Discounted returns: t0 (0.5, 1), t1 (1.5, 3). Anchor groups: s0 and s2 alone (advantage 0); s1 holds both
     trajectories' second calls (1 and 3, mean 2: -1 and +1)."""
-    def s(traj, anchor, reward):
-        return Sample(policy=0, env=0, role="agent", turn=0, traj=traj, prompt_ids=[ord(anchor[-1])],
+    def s(traj, turn, anchor, reward):
+        return Sample(policy=0, env=0, role="agent", turn=turn, traj=traj, prompt_ids=[ord(anchor[-1])],
                       response_ids=[1], sampler_logprobs=[0.0], reward=reward)
-    ss = [s(0, "s0", 0.0), s(0, "s1", 1.0), s(1, "s2", 0.0), s(1, "s1", 3.0)]
+    ss = [s(0, 0, "s0", 0.0), s(0, 1, "s1", 1.0), s(1, 0, "s2", 0.0), s(1, 1, "s1", 3.0)]
     _, stats = G.gigpo_advantages(ss, gamma=0.5, step_weight=1.0, scale="none")
     assert [x.adv for x in ss] == pytest.approx([-1.0 + 0.0, -1.0 - 1.0, 1.0 + 0.0, 1.0 + 1.0])
     assert stats.groups == 1 + 3
+
+
+def _call(traj, role, turn, reward, anchor, env=0):
+    """A call of a plain trajectory whose prompt is its anchor (the project's rule before anchors)."""
+    return Sample(policy=0, env=env, role=role, turn=turn, traj=traj, prompt_ids=[ord(c) for c in anchor],
+                  response_ids=[1], sampler_logprobs=[0.0], reward=reward)
+
+
+def test_gigpo_discounts_once_per_env_step():
+    """Issue 59 item 8. Dr. MAS gives every agent call of one env step the same return and discounts
+    once per env step (core_algos.py:156-173). Search, two trajectories from one question, gamma 0.5,
+    mean_norm, w 1: turn 0 (verifier, search), turn 1 (verifier, answer). Trajectory 0's search finds the
+    passage (0.5) and its answer is right (1); trajectory 1 earns nothing. Turn returns of trajectory 0:
+    G1 = 1, G0 = 0.5 + 0.5 x 1 = 1.0, shared by both calls of the turn (per call it would be 0.375 for
+    the verifier and 0.75 for the search). Episode groups per (env, agent): totals 1.5 and 0, so +-0.75.
+    The turn-0 states are shared: step groups (verifier, q) and (search, q), 1.0 against 0, so +-0.5;
+    the turn-1 states differ (step advantage 0)."""
+    ss = [_call(0, "verifier", 0, 0.0, "q"), _call(0, "search", 0, 0.5, "q"),
+          _call(0, "verifier", 1, 0.0, "q+a"), _call(0, "answer", 1, 1.0, "q+a"),
+          _call(1, "verifier", 0, 0.0, "q"), _call(1, "search", 0, 0.0, "q"),
+          _call(1, "verifier", 1, 0.0, "q+b"), _call(1, "answer", 1, 0.0, "q+b")]
+    G.gigpo_advantages(ss, gamma=0.5, step_weight=1.0, scale="none")
+    assert [s.adv for s in ss] == pytest.approx([1.25, 1.25, 0.75, 0.75, -1.25, -1.25, -0.75, -0.75])
+
+
+def test_gigpo_episode_groups_per_call_trajectory_or_agent():
+    """Issue 59 item 9: the three episode statistics, by hand. Every anchor differs (step advantage 0),
+    mean_std_norm: env 0, trajectory 0 = tool, plan (turn 0), plan (turn 1), total 2; trajectory 1 =
+    tool, plan, total 0; env 1 holds one trajectory (tool, plan), total 3.
+      call        env 0 over five calls [2, 2, 2, 0, 0]: mean 1.2, std 1.0954; env 1 [3, 3]: std 0, so 0
+      trajectory  (Dr. MAS's default, core_algos.py:281-285) env 0 over [2, 0]: +-0.7071; env 1 holds
+                  one trajectory: mean 0 and std 1 (core_algos.py:288-290), so 3
+      agent       (group_by_agent_id, ray_trainer.py:269-271) env 0's tools [2, 0]: +-0.7071; its plans
+                  [2, 2, 0]: mean 4/3, std 1.1547; env 1's tool alone and plan alone: 3 each"""
+    ss = [_call(0, "tool", 0, 1.0, "a"), _call(0, "plan", 0, 0.0, "b"), _call(0, "plan", 1, 1.0, "c"),
+          _call(1, "tool", 0, 0.0, "d"), _call(1, "plan", 0, 0.0, "e"),
+          _call(0, "tool", 0, 2.0, "f", env=1), _call(0, "plan", 0, 1.0, "g", env=1)]
+    expect = {"call": [0.730297, 0.730297, 0.730297, -1.095445, -1.095445, 0.0, 0.0],
+              "trajectory": [0.707107, 0.707107, 0.707107, -0.707107, -0.707107, 3.0, 3.0],
+              "agent": [0.707107, 0.57735, 0.57735, -0.707107, -1.1547, 3.0, 3.0]}
+    for episode, want in expect.items():
+        G.gigpo_advantages(ss, gamma=0.95, step_weight=1.0, scale="group", episode=episode)
+        assert [s.adv for s in ss] == pytest.approx(want, abs=1e-4), episode
+    # the step groups: per (env, anchor), and per (env, agent, anchor) with group_by_agent_id
+    # (core_algos.py:340-349 groups within `index`, which then names the agent). One state "s";
+    # trajectory 0's turn (tool, plan) earns 1, trajectory 1's (tool alone) 0; mean_norm
+    ss = [_call(0, "tool", 0, 1.0, "s"), _call(0, "plan", 0, 0.0, "s"), _call(1, "tool", 0, 0.0, "s")]
+    expect = {"call": [2 / 3, 2 / 3, -4 / 3],  # episode [1, 1, 0] +1/3 -2/3; step the same
+              "trajectory": [0.5 + 1 / 3, 0.5 + 1 / 3, -0.5 - 2 / 3],  # episode [1, 0]; step [1, 1, 0]
+              "agent": [1.0, 1.0, -1.0]}  # tools [1, 0] +-0.5 twice; the plan alone: 1 + 0
+    for episode, want in expect.items():
+        G.gigpo_advantages(ss, gamma=0.95, step_weight=1.0, scale="none", episode=episode)
+        assert [s.adv for s in ss] == pytest.approx(want), episode
+    with pytest.raises(ValueError, match="call, trajectory or agent"):
+        G.gigpo_advantages(ss, episode="env")
+
+
+def test_gigpo_anchors_are_the_envs_state_not_the_prompt(tiny_dir):
+    """Issue 59 item 10: verl-agent and Dr. MAS group on the env's own observation of the state
+    (`anchor_obs`: env_manager.py:30,54 returns the search env's question, then what it retrieved), not
+    the templated prompt, which on the full tasks says "turn N" / "step N of M". Two trajectories
+    meeting one state at different turns share a step group; a different state does not."""
+    plan = E.PlanPath(3)
+    later = plan.clone()
+    later.end_turn()  # the same board one turn later: the prompt says "turn 2"
+    assert plan.observe("plan") != later.observe("plan")
+    assert plan.anchor("plan") == later.anchor("plan") and plan.anchor("tool") == later.anchor("tool")
+    moved = plan.clone()
+    moved.step("plan", f"####\n{json.dumps([a for a, _ in plan.neighbours(plan.pos)][:1])}")
+    assert moved.anchor("plan") != plan.anchor("plan")
+    search = E.make_search(5)
+    later = search.clone()
+    later.end_turn()  # "step 2 of 4"
+    assert search.observe("search") != later.observe("search")
+    assert search.anchor("search") == later.anchor("search")
+    found = search.clone()
+    found.step("search", "<search>a</search>")
+    assert found.anchor("search") != search.anchor("search")
+    for env in (plan, search, E.make_game("sudoku", 1)):
+        for role in env.roles:
+            assert not re.search(r"turn \d|step \d", str(env.anchor(role))), (env, role)
+    # the rollout records each call's anchor (the state its prompt was rendered from) ...
+    from rollout import every_role, plain_rollout
+    from transformers import AutoTokenizer
+    from rollout import Agents
+    from scripted import ScriptedEngine
+    agents = Agents(AutoTokenizer.from_pretrained(tiny_dir), [ScriptedEngine(tiny_dir)],
+                    {r: 0 for r in E.SearchEnv.roles}, 100000)
+    samples, _ = plain_rollout([E.make_search(5)], agents, 2, 3,
+                               every_role(temperature=1.0, top_p=1.0, max_new_tokens=200))
+    assert samples and all(s.anchor is not None for s in samples)
+    first = [s for s in samples if s.turn == 0 and s.role == "verifier"]
+    assert len(first) == 2 and first[0].anchor == E.make_search(5).anchor("verifier")
+    # ... and gigpo groups on it: two calls with different prompts, one anchor, share a step group
+    ss = [_call(0, "search", 0, 1.0, "turn 1"), _call(1, "search", 1, 0.0, "turn 2")]
+    ss[0].anchor = ss[1].anchor = "q"
+    G.gigpo_advantages(ss, gamma=1.0, step_weight=1.0, scale="none", episode="call")
+    assert [s.adv for s in ss] == pytest.approx([0.5 + 0.5, -0.5 - 0.5])
 
 
 def test_ppo_loss_clip_regions_by_hand():

@@ -103,6 +103,7 @@ std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the 
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
 gigpo_gamma = 0.95         # --algo gigpo: the discount of the step returns (verl-agent's scripts)
 gigpo_step_weight = 1.0    # --algo gigpo: A = A_episode + this x A_step
+gigpo_episode = "agent"    # --algo gigpo: episode groups per agent | trajectory | call (method §4)
 eps_low = 0.2              # PPO clip range below 1
 eps_high = 0.2             # PPO clip range above 1 (0.28 = asymmetric "clip-higher")
 dual_clip = 3.0            # cap on the loss of negative-advantage tokens (c > 1); 0 disables
@@ -186,6 +187,7 @@ CHOICES = {
     "task": list(E.TASKS),
     "preset": ["", *PRESETS],
     "algo": ["at_grpo", "grpo", "dr_mas", "gigpo"],
+    "gigpo_episode": list(G.GIGPO_EPISODES),
     "workflow": E.WORKFLOWS,
     "policies": ["shared", "per_role", "per_type", "lora"],
     "team_mode": ["aggregate", "refine"],
