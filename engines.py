@@ -29,7 +29,7 @@ class Completion:
     logprobs: list   # sampler's log-prob of each id, after temperature (and top-p)
 
 
-def _stop_ids(model_dir):
+def stop_ids(model_dir):
     """End-of-sequence ids: <|im_end|> and <|endoftext|> (Qwen3's chat stops), read from the tokenizer."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -105,7 +105,7 @@ class VLLMEngine(Engine):
             # one step's calls on this rank, and a prefill chunk of one full context (verl `rollout.yaml`: max_num_seqs,
             # max_num_batched_tokens). CPU keeps vLLM's defaults: the tests' exact reproduction was measured with them
             kw.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=vllm_batched_tokens(max_len))
-        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.stop, self.n_tokens = stop_ids(model_dir)
         self.max_len = max_len
         self.sleeping = set()  # sleep-mode tags currently released (CUDA only)
         with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
@@ -202,7 +202,7 @@ class TorchEngine(Engine):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
         self.dtype = dtype
-        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.stop, self.n_tokens = stop_ids(model_dir)
         self.max_len = max_len
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import judge
 import retrieval
-from judge import _actual, code_pass_rate, math_equal, reference_solution, run_asserts, run_tests
+from judge import actual_output, code_pass_rate, math_equal, reference_solution, run_asserts, run_tests
 from sandbox import run_code  # model-written code runs only there
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -738,7 +738,7 @@ class CodeEnv(Env):
             return 0.0
         if self.row["test_type"] == "code":
             checks = run_asserts(self.row, solution, cases)
-            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(_actual(r, harness=True), 300)}"
+            self._mism = [f"{_clip_mid(c, 300)} -> {_clip_mid(actual_output(r, harness=True), 300)}"
                           for c, (ok, r) in zip(cases, checks) if not ok]
             return sum(ok for ok, _ in checks) / len(cases)
         try:

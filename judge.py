@@ -196,7 +196,7 @@ def _same_stdout(row, got, want):
     return same_stdout_lcb(got, want)
 
 
-def _actual(r, payload=None, harness=False):
+def actual_output(r, payload=None, harness=False):
     """What a run produced, for the agents' history: its result or output, or its error, or the timeout."""
     if r.timed_out:
         return "(timed out)"
@@ -227,9 +227,9 @@ def run_tests(row, solution, tests, timeout=None):
                 ok = ran and json.loads(payload) == json.loads(t["output"])
             except (ValueError, TypeError):
                 ok = False
-            out.append((bool(ok), _actual(r, payload, harness=True)))
+            out.append((bool(ok), actual_output(r, payload, harness=True)))
         else:
-            out.append((r.ok and _same_stdout(row, r.stdout, t["output"]), _actual(r)))
+            out.append((r.ok and _same_stdout(row, r.stdout, t["output"]), actual_output(r)))
     return out, res
 
 

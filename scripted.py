@@ -7,7 +7,7 @@ import json
 
 import judge
 from model import iter_hf_state
-from engines import Completion, Engine, _stop_ids
+from engines import Completion, Engine, stop_ids
 
 
 class ScriptedEngine(Engine):
@@ -19,7 +19,7 @@ class ScriptedEngine(Engine):
     def __init__(self, model_dir, seed=0, max_len=2048, script=None):
         from transformers import AutoTokenizer
         self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.stop, self.n_tokens = _stop_ids(model_dir)
+        self.stop, self.n_tokens = stop_ids(model_dir)
         self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.max_len, self.seed, self.calls = max_len, seed, 0
         self.script = script or DefaultScript()

@@ -383,7 +383,9 @@ def _first_step_cosine(tiny_dir, r, alpha, lr):
     paths = [n for n, _ in full.named_modules() if n.split(".")[-1] in M.LORA_TARGETS]
     grad = torch.cat([full.get_submodule(n).weight.grad.flatten() for n in paths])
     m = M.add_lora(M.load_model(tiny_dir), ["a"], r, alpha) if r else M.load_model(tiny_dir)
-    weight = lambda n: (m.get_submodule(n).merged_weight() if r else m.get_submodule(n).weight).detach().clone()
+
+    def weight(n):
+        return (m.get_submodule(n).merged_weight() if r else m.get_submodule(n).weight).detach().clone()
     before = {n: weight(n) for n in paths}
     opt = torch.optim.AdamW(M.adapter_parameters(m, "a") if r else m.parameters(), lr=lr, weight_decay=0.0)
     loss_of(m).backward()
@@ -463,7 +465,6 @@ def test_lora_adapter_files_load_in_peft_and_round_trip(tiny_dir, tmp_path):
 def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
     """LoRA per role in one vLLM engine (merged weights per policy, PolicySwitch): each role's greedy tokens equal the
     trainer's with that role's adapter selected, and the two roles really differ."""
-    import train as T
     from policies import PolicySwitch
     m = _lora_model(tiny_dir, r=8, alpha=64.0)
     pols = [
@@ -692,6 +693,7 @@ def test_memory_planner_formulas_vs_measured():
             mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
         return sum(seen.values())
     # the head's chunk: what the entropy (--entropy_coef) adds to the saved tensors, per [chunk, vocab] entry
+
     def head_saved(entropy):
         h, w = torch.randn(64, 32, requires_grad=True), torch.randn(1000, 32, requires_grad=True)
         seen = {}
@@ -1045,7 +1047,6 @@ def test_cuda_collectives_on_nccl():
     only CUDA tensors: the CPU tensors the helpers used to reduce fail here, as they did at every GPU run's first
     update."""
     import torch.distributed as dist
-    import train as T
     C.setup_dist()
     assert dist.get_backend() == "nccl" and C.DEVICE.type == "cuda"
     with pytest.raises(Exception):
@@ -1180,8 +1181,6 @@ def test_cuda_bf16_matches_transformers(tmp_path):
 def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
     """FSDP2 with the bf16 param / fp32 reduce policy (the GPU training path) vs the fp32 model: same loss and
     gradient direction up to bf16 rounding; the master weights and their gradients stay fp32."""
-    import torch.distributed as dist
-    import train as T
     C.setup_dist()
     ids, _ = random_batch(261, [64] * 4, seed=3)
     ids = ids.cuda()
@@ -1202,9 +1201,9 @@ def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
 # -----------------------------------------------------------------------------
 # [envs] envs.py: generated games against independent brute-force solvers
 
-import envs as E
-import judge as J
-import sandbox as S
+import envs as E  # noqa: E402
+import judge as J  # noqa: E402
+import sandbox as S  # noqa: E402
 
 STEP = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 
@@ -1234,7 +1233,8 @@ def solve_plan(env):
 def push_spot(env):
     """The test's own push rule: (the push's direction, the cell it starts from), one step along the goal's longer
     offset from the box (ties: rows)."""
-    sign = lambda x: (x > 0) - (x < 0)
+    def sign(x):
+        return (x > 0) - (x < 0)
     (br, bc), (gr, gc) = env.box, env.goal
     push = (sign(gr - br), 0) if abs(gr - br) >= abs(gc - bc) else (0, sign(gc - bc))
     return push, (br - push[0], bc - push[1])
@@ -2243,8 +2243,8 @@ def test_math_checker_without_math_verify_stops_with_the_fix(tmp_path):
 # -----------------------------------------------------------------------------
 # [grpo_mas] grpo_mas.py: keys, advantages, filter, loss against hand-computed values
 
-import grpo_mas as G
-from rollout import Sample
+import grpo_mas as G  # noqa: E402
+from rollout import Sample  # noqa: E402
 
 
 def _s(env, role, turn, traj, reward):
@@ -2321,7 +2321,9 @@ def test_dynamic_sampling_against_dapos_filter():
             asked.append(n_envs)
             return rollouts[len(asked)]
         filled = G.dapo_fill(rollouts[0], more, "at_grpo", max_rollouts)
-        uid = lambda s_: G.KEYS["at_grpo"](s_)
+
+        def uid(s_):
+            return G.KEYS["at_grpo"](s_)
         ref, used = _dapo_reference([[(uid(s_), s_.reward, s_.traj) for s_ in b] for b in rollouts], 4, 2,
                                     max_rollouts)
         assert [s_.traj for s_ in filled.kept] == ref and filled.rollouts == used == max_rollouts
@@ -2800,7 +2802,6 @@ def test_packed_flex_mask_equals_dense_mask_cpu_forward():
     # the planner's block-mask bytes are what a real BlockMask holds (one 1000-token row, 4 segments) and the plan
     # carries them only with --pack
     import memory
-    import train as T
     seg = torch.tensor([[0] * 300 + [1] * 200 + [2] * 250 + [3] * 250])
     bm = G.packed_mask(seg, "cpu", True)
     assert sum(
@@ -3876,7 +3877,8 @@ def test_help_lists_every_flag_with_default_and_comment(capsys):
         # (eval.py's --engine used to end with --stop_step's continuation, a flag eval.py does not have)
         src = open(T.__file__).read().splitlines()
         for i, line in enumerate(src):
-            continued = lambda l: l.startswith(" ") and l.strip().startswith("#")
+            def continued(l):
+                return l.startswith(" ") and l.strip().startswith("#")
             more = [l.strip()[2:] for l in itertools.takewhile(continued, src[i + 1:])]
             name = line.split(" = ")[0]
             if not more or " = " not in line or not name.isidentifier():
@@ -3889,7 +3891,6 @@ def test_help_lists_every_flag_with_default_and_comment(capsys):
 def test_eta_respects_the_time_limit():
     """The ETA printed per step: remaining steps at this pace, or the rest of --time_limit_min (+1 step) if sooner
     (a 15-minute default run used to announce 45 minutes)."""
-    import train as T
     assert C.eta_seconds({"steps": 400, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(900 - 60 + 6)
     assert C.eta_seconds({"steps": 400, "time_limit_min": 0.0}, 10, 10, 60.0) == pytest.approx(390 * 6)
     assert C.eta_seconds({"steps": 20, "time_limit_min": 15.0}, 10, 10, 60.0) == pytest.approx(10 * 6)
@@ -4399,7 +4400,6 @@ def test_close_dist_waits_for_every_rank_before_the_group_goes(monkeypatch):
     work: CI aborted once more with the barrier alone) between a rank's last collective and the teardown; with one
     rank or no group it does neither."""
     import torch.distributed as dist
-    import train as T
     calls = []
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
@@ -4617,11 +4617,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 # -----------------------------------------------------------------------------
 # [eval] eval.py: metrics against brute force, intervals against known cases, end to end, bad input
 
-import eval as V
-import rollout as R
+import eval as V  # noqa: E402
+import rollout as R  # noqa: E402
 
 GREEDY8 = R.every_role(temperature=0.0, max_new_tokens=8)
-from tools import runs as RUNS
+from tools import runs as RUNS  # noqa: E402
 
 
 def test_summary_table_of_seeds_by_hand(tmp_path):
@@ -4667,6 +4667,7 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     cs = [str(tmp_path / "c0"), str(tmp_path / "c1")]
     assert list(RUNS.group_runs(cs)) == ["--stop_step 0 --time_limit_min 15.0", "--stop_step 10 --time_limit_min 0.0"]
     # a flag an older run's config.json lacks (added later) counts at train.py's default, which keeps the old behaviour
+
     def bare_run(name, extra):  # config.json with only the seed, out_dir and `extra`; the untrained evaluation
         d = tmp_path / name
         d.mkdir()
@@ -4686,6 +4687,7 @@ def test_runs_tokens_spent_by_hand(tmp_path):
            {"step": 2, "eval_success": 0.3}, {"step": 3, "resp_tokens": 1}]
     assert RUNS.tokens_spent(rec) == {0: 0, 1: 5, 2: 12, 3: 13}
     # --at_tokens: each run cut at its last step within the budget; "final" is the last evaluation there
+
     def run(name, seed, per_step):
         d = tmp_path / name
         d.mkdir()
@@ -5014,6 +5016,29 @@ def test_citations_point_into_the_project():
             elif attr and defs[m][name] is not None and attr not in defs[m][name]:
                 stale.append((os.path.relpath(path, HERE), f"{m}.{name}.{attr}"))
     assert not stale, "references to names their module does not define: %s" % sorted(set(stale))
+
+
+def test_lint_is_clean():
+    """ruff (pyflakes and pycodestyle's errors and warnings, ruff.toml) finds nothing in the project: an unused
+    import, an undefined name or a missing blank line before a def fails here, in the README's test command."""
+    ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
+    done = subprocess.run([ruff, "check", "--no-cache", HERE], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+def test_no_private_names_cross_modules():
+    """No module imports another's private name (`from judge import _actual`): what one module uses of
+    another is public there."""
+    import ast
+    modules = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")}
+    crossing = []
+    for f in sorted(os.listdir(HERE)) + [os.path.join("tools", t) for t in os.listdir(os.path.join(HERE, "tools"))]:
+        if not f.endswith(".py") or f.startswith("test"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, f)).read())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                crossing += [f"{f}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not crossing, crossing
 
 
 def test_no_import_cycles():

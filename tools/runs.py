@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
 def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
     """Training curves of one or several runs (ablations side by side) from their metrics.jsonl. Runs of one
     configuration (seeds) share a colour in the held-out panel: each seed faint, their mean bold. x: "minutes"
@@ -53,7 +54,9 @@ def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
             )
     for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
         name = os.path.basename(os.path.normpath(d))
-        xs = lambda key: [(xof(d, r), r[key]) for r in rec if key in r]
+
+        def xs(key):
+            return [(xof(d, r), r[key]) for r in rec if key in r]
         for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
             v = xs(key)
             axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
