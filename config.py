@@ -288,9 +288,9 @@ def check_run_folder(cfg):
     out = cfg["out_dir"]
     if not out.strip():
         raise SystemExit("--out_dir is empty: name the run's folder, e.g. --out_dir runs/plan-seed1")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out_dir {out!r} is a file, not a folder: name another --out_dir")
     parent = existing_parent(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise SystemExit(f"--out_dir {out!r}: {parent!r} is a file, not a folder: name another --out_dir")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise SystemExit(f"--out_dir {out!r}: {parent!r} is not writable: name a folder you can write")
     if cfg["resume"] and not os.path.exists(os.path.join(out, "ckpt", "state.pt")):

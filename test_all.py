@@ -4129,6 +4129,34 @@ def test_bad_input_exits_with_one_line_before_anything_loads():
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip() and time.time() - t0 < 60
 
 
+def test_what_new_users_tried_stops_with_one_line(tmp_path, tiny_dir, monkeypatch):
+    """What a new user tried and got a traceback or a silently different run for, at 6f55a62: each stops in
+    configure, before anything loads, with one line naming the fix."""
+    import train as T
+    r = subprocess.run([PY, "train.py", "--out_dir", ""], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "--out_dir is empty: name the run's folder, e.g. --out_dir runs/plan-seed1"), r.stderr
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for argv, msg in [
+        (["--out_dir", str(a_file)], "is a file, not a folder"),
+        (["--out_dir", str(a_file / "run")], "is a file, not a folder"),
+        (["--policy", "tool=tiny", "--policy", "tool=tiny-small"], "names role 'tool' twice"),
+    ]:
+        with pytest.raises(SystemExit, match=msg):
+            T.configure(argv)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as root every folder is writable
+    with pytest.raises(SystemExit, match="is not writable: name a folder you can write"):
+        T.configure(["--out_dir", str(tmp_path / "ro" / "run")])
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    os.makedirs(run / "ckpt" / "policy-tool+plan")
+    with pytest.raises(SystemExit, match=r"is a training run's folder: .*ckpt/policy-tool\+plan"):
+        V.configure(["--task", "plan", "--model", str(run)])
+    with pytest.raises(SystemExit, match="--files 'nope.jsonl': no such file"):
+        V.configure(["--task", "math", "--model", tiny_dir, "--files", "nope.jsonl"])
+
+
 def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir, cpu_machine):
     """Who plays which role with which settings, from the flags alone; every misuse stops with the fix, before
     loading."""
