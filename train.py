@@ -343,13 +343,13 @@ class Tasks:
     workflow: str
     compact: bool   # the tiny model's compact games
     rows: list      # code, math, --search_train: the training rows; [] = generated
-    team: tuple     # --team: (reasoners, tools, mode); () = the task's own agents
+    team: tuple     # --team: (reasoners, tools, mode); None = the task's own agents
     turns: int
     search: dict    # --task search: topk, retriever, metric (config.search_settings)
 
     def fresh(self, rng, n):
         return [E.train_env(self.task, rng, self.workflow, self.compact, self.rows or None,
-                            team=self.team or None, turns=self.turns, search=self.search)
+                            team=self.team, turns=self.turns, search=self.search)
                 for _ in range(n)]
 
 
@@ -360,11 +360,11 @@ def load_tasks(cfg):
     if cfg["task"] in ("code", "math") or files:
         rows = E.load_split(cfg["task"], "train", files)
     tasks = Tasks(cfg["task"], cfg["workflow"], P.is_tiny(cfg) and cfg["task"] in E.GENERATED,
-                  rows, P.parse_team(cfg) or (), cfg["turns"], config.search_settings(cfg))
+                  rows, P.parse_team(cfg), cfg["turns"], config.search_settings(cfg))
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=tasks.compact,
                            workflow=cfg["workflow"], files=test_files, limit=cfg["eval_n"],
-                           team=tasks.team or None, turns=cfg["turns"], search=tasks.search)
+                           team=tasks.team, turns=cfg["turns"], search=tasks.search)
     return tasks, test_envs
 
 
@@ -436,10 +436,12 @@ def collect(cfg, step, rank, agents, tasks, n_envs):
         filled = G.dapo_fill(samples, rollouts.more, cfg["algo"], cfg["dynamic_sampling"],
                              cfg["refill"], C.all_sum)
         samples, n_rollouts, refill_zero_var = filled.kept, filled.rollouts, filled.zero_var_frac
-    return Collected(samples, rollouts.generated, rollouts.solved / rollouts.episodes, n_rollouts,
-                     refill_zero_var, rollouts.timer, sandbox.stats["timeouts"] - timeouts,
-                     retrieval.stats["calls"] - searches["calls"],
-                     retrieval.stats["failures"] - searches["failures"])
+    return Collected(samples=samples, generated=rollouts.generated,
+                     success=rollouts.solved / rollouts.episodes, rollouts=n_rollouts,
+                     refill_zero_var=refill_zero_var, seconds=rollouts.timer,
+                     timeouts=sandbox.stats["timeouts"] - timeouts,
+                     search_calls=retrieval.stats["calls"] - searches["calls"],
+                     search_failures=retrieval.stats["failures"] - searches["failures"])
 
 
 def trained_roles(cfg, roles, step):
