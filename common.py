@@ -419,7 +419,8 @@ def _on_signal(signum, frame):
         print(f"{name}: stopping after the step under way, with a checkpoint (a second signal "
               "abandons the step)", flush=True)
         return
-    where = f"abandoned the step after step {STOP.step}" if STOP.graceful else "stopped during setup"
+    where = (f"abandoned the step after step {STOP.step}" if STOP.graceful
+             else "stopped during setup (a tiny base's format warm-up resumes from its last save)")
     _exit_line(f"{name}: {where}; " + resume_hint(), signum)
 
 

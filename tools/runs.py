@@ -92,6 +92,17 @@ def flag_defaults():
     return dict(T.FLAGS)
 
 
+def preset_keys():
+    """The values a preset sets, and those resolved from them (each role's sampling settings)."""
+    import train as T
+    return {k for p in T.PRESETS.values() for k in p} | {"role_sampling", "role_eval_sampling"}
+
+
+def num(x, spec=".2f"):
+    """A number for a table, or "-" where a run has none (no evaluation, no step: nan)."""
+    return "-" if x != x else format(x, spec)
+
+
 def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
     """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
     out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
@@ -117,6 +128,8 @@ def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
         runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
     varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
+    if "preset" in varying:  # runs of different tasks: the preset names what it sets (readable)
+        varying = [k for k in varying if k not in preset_keys()]
     groups = {}
     for d, c, rec in runs:
         label = os.path.basename(os.path.normpath(d)) if c is None else (
@@ -140,6 +153,10 @@ def cut_at(d, rec, at_step, at_tokens):
         if total < at_tokens:
             raise SystemExit(f"{d!r} generated {total} tokens, fewer than --at_tokens {at_tokens}: give a smaller "
                              "--at_tokens or drop the run")
+        first = min((tokens for step, tokens in spent.items() if step >= 1), default=0)
+        if first > at_tokens:  # not one training step fits: nothing to compare at this budget
+            raise SystemExit(f"{d!r} generated {first} tokens in its first step, more than "
+                             f"--at_tokens {at_tokens}: give --at_tokens {first} or more")
         last = max(step for step, tokens in spent.items() if tokens <= at_tokens)
         rec = [r for r in rec if r["step"] <= last]
     return rec
@@ -205,12 +222,13 @@ def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
             tps.append(upper_median([r["resp_tokens"] for r in rec if "resp_tokens" in r]))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
+        ratio = f"{final / base:.1f}x" if base == base and base else "-"  # none without step 0's
         lines.append(
-            f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} "
-            f"| {base:.2f} | {final:.2f} "
-            f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
-            f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |"
-            + (f" {upper_median(tps):.0f} |" if at_tokens is not None else "")
+            f"| {label} | {n} | {sum(steps) / n:.0f} | {num(upper_median(sps))} "
+            f"| {num(upper_median(smp), '.0f')} | {num(base)} | {num(final)} "
+            f"[{num(min(finals))}-{num(max(finals))}] | {ratio} | "
+            f"{num(sum(bests) / n)} | {', '.join(firsts)} | {', '.join(lows)} |"
+            + (f" {num(upper_median(tps), '.0f')} |" if at_tokens is not None else "")
         )
     return "\n".join(lines)
 
