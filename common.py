@@ -384,6 +384,7 @@ def refuse_empty_files(cfg, flags):
 
 class _Stop:
     signum = 0          # the first stop signal received (0: none)
+    t_first = 0.0       # when it came
     graceful = False    # in the step loop: a first signal finishes the step and checkpoints
     saving = False      # a checkpoint being written: a signal never cuts it
     stopped = False     # every rank agreed to stop (stop_requested_all)
@@ -411,8 +412,12 @@ def finish_steps_on_signal():
 
 def _on_signal(signum, frame):
     name = signal.Signals(signum).name
+    now = time.time()
+    if STOP.signum and now - STOP.t_first < 2.0:  # one Ctrl-C under torchrun: the terminal's copy
+        return                                    # and the one torchrun forwards
     first = not STOP.signum
-    STOP.signum = STOP.signum or signum
+    if first:
+        STOP.signum, STOP.t_first = signum, now
     if STOP.saving:  # finishing the write is what keeps a checkpoint whole; the loop stops after it
         return
     if first and STOP.graceful:
