@@ -51,18 +51,22 @@ def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
                 linewidth=2.5,
                 label=f"{label} (mean of {len(runs)})",
             )
-    for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
+    # the records group_runs read (and cut at at_step); each run in its configuration's colour (as
+    # in the held-out panel), each agent or policy a line style: runs of several tasks stay readable
+    styles = ["-", "--", ":", "-."]
+    coloured = [(f"C{n % 10}", d, rec) for n, runs in enumerate(groups.values()) for d, rec in runs]
+    for color, d, rec in coloured:
         name = os.path.basename(os.path.normpath(d))
-        xs = lambda key: [(xof(d, r), r[key]) for r in rec if key in r]
-        for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
-            v = xs(key)
-            axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("dlogp_p")}):
-            v = xs(key)
-            axes[2].semilogy([x for x, _ in v], [max(y, 1e-12) for _, y in v], label=f"{name} {key[6:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("grad_norm_p")}):
-            v = xs(key)
-            axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
+        # the panel, its keys' prefix, where a key's label starts (the agent; the policy, "p0")
+        panels_of_run = ((axes[1], "reward_", 7), (axes[2], "dlogp_p", 6), (axes[3], "grad_norm_p", 10))
+        for ax, prefix, cut in panels_of_run:
+            keys = sorted({k for r in rec for k in r if k.startswith(prefix)})
+            for i, key in enumerate(keys):
+                v = [(xof(d, r), r[key]) for r in rec if key in r]
+                ys = [max(y, 1e-12) if prefix == "dlogp_p" else y for _, y in v]
+                draw = ax.semilogy if prefix == "dlogp_p" else ax.plot
+                draw([x for x, _ in v], ys, color=color, linestyle=styles[i % 4], alpha=0.7,
+                     label=f"{name} {key[cut:]}")
     for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel({"minutes": "wall-clock minutes", "steps": "training step", "tokens": "response tokens"}[x])
