@@ -2,6 +2,7 @@
 What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): the flag parser, torchrun and the
 collectives, checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
 """
+import contextlib
 import json
 import os
 import re
@@ -17,11 +18,6 @@ import torch
 import torch.distributed as dist
 
 import model as M
-
-# DCP says it saves "in a single process" on every checkpoint of a 1-process run: that is this
-# run's intent, and the user has nothing to change (issue 61: warnings a user cannot act on)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning, module=r"torch\.distributed\.checkpoint")
 
 # -----------------------------------------------------------------------------
 # flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
@@ -231,7 +227,9 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
         if pol.adapter:
             M.save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
         msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=bool(pol.adapter)))
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
+        with quiet_single_process_dcp():
+            dcp.save({"model": msd, "optim": osd},
+                     checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
     STOP.saving = True  # a signal now waits for the write to finish (_on_signal)
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
@@ -247,6 +245,19 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
         dist.barrier()
 
 
+@contextlib.contextmanager
+def quiet_single_process_dcp():
+    """DCP says it saves "in a single process" on every checkpoint of a 1-process run: that is
+    this run's intent, and the user has nothing to change (issue 61: warnings a user cannot act
+    on). Only that message of torch.distributed.checkpoint, only around DCP's own calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized",
+                                module=r"torch\.distributed\.checkpoint")
+        yield
+
+
 def load_train_state(m, o, path, frozen=True):
     """Each rank reads only its own shards of ckpt/train-{name} into its (already sharded) model and optimizer.
     frozen=False (LoRA): only the trainable parameters are in the checkpoint."""
@@ -254,7 +265,8 @@ def load_train_state(m, o, path, frozen=True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=not frozen))
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    with quiet_single_process_dcp():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=frozen))  # LoRA: the frozen base is not in `state`
 
