@@ -4321,15 +4321,17 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path):
     (out / "config.json").write_text(json.dumps(saved))
     torch.save({"step": 4, "metrics_lines": 5, "time": 60.0}, out / "ckpt" / "state.pt")
     resume = ["--out_dir", str(out), "--warmup_steps", "0", "--resume", "true"]
-    for argv, msg in [(["--task", "sokoban"], "trained with --task plan .its config.json., not sokoban"),
-                      (["--workflow", "single"], "trained with --workflow mas"),
-                      (["--policies", "per_role"], "trained with --policies shared"),
-                      (["--policy", "tool=tiny-small"], "trained with --policy '' .*resume with --policy ''"),
-                      (["--steps", "4"], "at step 4, and this run ends at step 4 .*give --steps above 4"),
-                      (["--stop_step", "3"], "at step 4, and this run ends at step 3")]:
+    for argv, msg in [
+        (["--task", "sokoban"], "trained with --task plan .its config.json., not sokoban"),
+        (["--workflow", "single"], "trained with --workflow mas"),
+        (["--policies", "per_role"], "trained with --policies shared"),
+        (["--policy", "tool=tiny-small"], "trained with --policy '' .*resume with --policy ''"),
+        (["--steps", "4"], "at step 4, and this run ends at step 4 .*give --steps above 4"),
+        (["--stop_step", "3"], "at step 4, and this run ends at step 3"),
+    ]:
         with pytest.raises(SystemExit, match=msg):
             T.main(resume + argv)
-    with pytest.raises(SystemExit, match="holds a run with a checkpoint: continue it with --resume true"):
+    with pytest.raises(SystemExit, match="holds a run with a checkpoint: continue it with --resume"):
         T.main(["--out_dir", str(out), "--warmup_steps", "0"])
     assert not list(tmp_path.glob("tiny-base-*"))
 
@@ -4378,7 +4380,8 @@ def test_warmup_shows_its_progress_resumes_and_is_cached_once(tmp_path, monkeypa
     tiny.build_base(path, cfg)
     out = capsys.readouterr().out
     assert "on from step 2" in out and "format warm-up 1/4" not in out
-    a, b = load_file(os.path.join(whole, "model.safetensors")), load_file(os.path.join(path, "model.safetensors"))
+    a = load_file(os.path.join(whole, "model.safetensors"))
+    b = load_file(os.path.join(path, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -4506,9 +4509,10 @@ def test_runs_of_different_tasks_and_small_budgets(tmp_path):
                                            "--preset tiny-sokoban --task sokoban"]
     table = RUNS.summary(dirs)
     assert "nan" not in table
-    assert table.splitlines()[2].startswith("| --preset tiny-plan --task plan | 1 | 2 | 1.00 | 8 | - | - [---] |")
-    with pytest.raises(SystemExit, match="generated 40 tokens in its first step, more than --at_tokens 10: give "
-                                         "--at_tokens 40 or more"):
+    row = table.splitlines()[2]
+    assert row.startswith("| --preset tiny-plan --task plan | 1 | 2 | 1.00 | 8 | - | - [---] |"), row
+    with pytest.raises(SystemExit, match="generated 40 tokens in its first step, more than "
+                                         "--at_tokens 10: give --at_tokens 40 or more"):
         RUNS.summary(dirs, at_tokens=10)
 
 
