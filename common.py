@@ -2,11 +2,16 @@
 What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): the flag parser, torchrun and the
 collectives, checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
 """
+import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -250,7 +255,10 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
         if pol.adapter:
             M.save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
         msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=bool(pol.adapter)))
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
+        with quiet_single_process_dcp():
+            dcp.save({"model": msd, "optim": osd},
+                     checkpoint_id=os.path.join(ck, f"train-{pol.name}"))
+    STOP.saving = True  # a signal now waits for the write to finish (_on_signal)
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
         torch.save({"step": step, "metrics_lines": n_lines, "time": elapsed}, os.path.join(ck, "state.pt"))
@@ -260,8 +268,22 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
             os.replace(final, final + ".old")
         os.replace(ck, final)
         shutil.rmtree(final + ".old", ignore_errors=True)
+    STOP.saving, STOP.ckpt_step = False, step
     if OWN_GROUP:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def quiet_single_process_dcp():
+    """DCP says it saves "in a single process" on every checkpoint of a 1-process run: that is
+    this run's intent, and the user has nothing to change (a warning a user
+    cannot act on). Only that message of torch.distributed.checkpoint, only around DCP's own calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized",
+                                module=r"torch\.distributed\.checkpoint")
+        yield
 
 
 def load_train_state(m, o, path, frozen=True):
@@ -271,7 +293,8 @@ def load_train_state(m, o, path, frozen=True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=not frozen))
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    with quiet_single_process_dcp():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=frozen))  # LoRA: the frozen base is not in `state`
 
@@ -297,13 +320,23 @@ def code_files():
 def open_run(cfg, pols, master):
     """The resume point, and on rank 0 the run's folder: config.json (every resolved value), a copy of the code, an
     empty metrics.jsonl (a resume keeps the lines its checkpoint had written, so the log equals an uninterrupted
-    run's)."""
+    run's). --overwrite true deletes the folder's old checkpoint first (else a run that saves none would leave
+    the old one, which a later --resume would take for this run's). A resume says where it starts from."""
     out = cfg["out_dir"]
     start = Start()
+    ckpt = os.path.join(out, "ckpt")
     if cfg["resume"]:
-        state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
         start = Start(state["step"], state.get("time", 0.0), state["metrics_lines"])
+        STOP.ckpt_step = start.step
+        if master:
+            print(f"resuming from step {start.step}: checkpoint {ckpt} ({start.time_before / 60:.1f} min "
+                  f"trained, metrics.jsonl keeps its first {start.metrics_lines} lines)", flush=True)
+    STOP.out_dir = out
     if master:
+        if cfg.get("overwrite") and not cfg["resume"]:
+            for d in (ckpt, ckpt + ".tmp", ckpt + ".old"):
+                shutil.rmtree(d, ignore_errors=True)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({**cfg, "resolved_policies": [vars(p) for p in pols]}, f, indent=2, default=vars)
@@ -318,6 +351,176 @@ def open_run(cfg, pols, master):
         )
         open(metrics_path, "w").writelines(lines)
     return start
+
+
+def check_run_folder(cfg):
+    """The run folder's checks, before anything loads (train.py's main, not its configure: bench.py and
+    the tests resolve configurations without training into out_dir)."""
+    refuse_existing_run(cfg)
+    check_resume(cfg)
+
+
+def refuse_existing_run(cfg):
+    """A fresh run into a folder that holds a run (metrics or a checkpoint) would replace it: refused,
+    with both ways on, unless --overwrite true asks for exactly that (docs/design.md, "Run folders")."""
+    if cfg["resume"] or cfg.get("overwrite"):
+        return
+    out = cfg["out_dir"]
+    metrics = os.path.join(out, "metrics.jsonl")
+    has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    if os.path.isfile(os.path.join(out, "ckpt", "state.pt")):
+        raise SystemExit(f"--out_dir {out} holds a run with a checkpoint: continue it with --resume true, or "
+                         "give another --out_dir (--overwrite true replaces it)")
+    if has_metrics:
+        raise SystemExit(f"--out_dir {out} holds a run's metrics.jsonl (no checkpoint to resume): give "
+                         "another --out_dir, or --overwrite true to replace it")
+
+
+# the flags that say what a checkpoint is: a resume under other values would train it as something else
+RESUME_FIXED = ("task", "workflow", "policies", "policy", "model", "team")
+
+
+def check_resume(cfg):
+    """--resume true continues the run as it was: every RESUME_FIXED flag (and the LoRA rank) as the run
+    folder's config.json saved it, and the steps left to train. Refused with one line naming the saved
+    value, before anything loads."""
+    if not cfg["resume"]:
+        return
+    out, ckpt = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
+    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {ckpt!r} (a run saves one every --ckpt_every steps)")
+    saved = {}
+    if os.path.isfile(os.path.join(out, "config.json")):
+        saved = json.load(open(os.path.join(out, "config.json")))
+    fixed = RESUME_FIXED + (("lora_rank",) if saved.get("policies") == "lora" else ())
+    for k in fixed:
+        if k in saved and saved[k] != cfg[k]:
+            was, now = shlex.quote(str(saved[k])), shlex.quote(str(cfg[k]))
+            raise SystemExit(f"--resume: the run in {out} was trained with --{k} {was} (its config.json), "
+                             f"not {now}: resume with --{k} {was}, or start a new run in another --out_dir")
+    step = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)["step"]
+    end = cfg["stop_step"] or cfg["steps"]
+    if end <= step:
+        raise SystemExit(f"--resume: the checkpoint in {ckpt} is at step {step}, and this run ends at step "
+                         f"{end} (--steps {cfg['steps']}, --stop_step {cfg['stop_step']}): nothing to train; "
+                         f"give --steps above {step} to train on")
+
+
+def refuse_empty_files(cfg, flags):
+    """Each data file named by one of `flags` holds at least one non-blank line: an empty file would
+    leave the run on its generated data, silently. A missing file is check_search's."""
+    for k in flags:
+        path = cfg[k]
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                if not any(line.strip() for line in f):
+                    raise SystemExit(f"--{k} {path!r} is empty: give a jsonl of questions, one per line, "
+                                     f"or drop --{k} to train on the generated worlds")
+
+
+# -----------------------------------------------------------------------------
+# interrupts: Ctrl-C (SIGINT) and SIGTERM end a run cleanly, with the command that resumes it
+
+
+class _Stop:
+    signum = 0          # the first stop signal received (0: none)
+    t_first = 0.0       # when it came
+    graceful = False    # in the step loop: a first signal finishes the step and checkpoints
+    saving = False      # a checkpoint being written: a signal never cuts it
+    stopped = False     # every rank agreed to stop (stop_requested_all)
+    step = 0            # the last step finished in this process
+    ckpt_step = None    # the step of the run folder's checkpoint, None: none yet
+    out_dir = ""
+
+
+STOP = _Stop()
+
+
+def stop_on_signals():
+    """SIGINT and SIGTERM (Ctrl-C, kill, a scheduler's preemption) stop the run in one line, never a
+    traceback: during setup at once (nothing trained is lost); in the step loop after the current step
+    and its checkpoint (a second signal abandons the step; the last checkpoint stays whole). train.py's
+    __main__ only: a test calling main() in process keeps pytest's own Ctrl-C."""
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def finish_steps_on_signal():
+    """From here on (the step loop), a first signal finishes the step under way instead of exiting."""
+    STOP.graceful = True
+
+
+def _on_signal(signum, frame):
+    name = signal.Signals(signum).name
+    now = time.time()
+    if STOP.signum and now - STOP.t_first < 2.0:  # one Ctrl-C under torchrun: the terminal's copy
+        return                                    # and the one torchrun forwards
+    first = not STOP.signum
+    if first:
+        STOP.signum, STOP.t_first = signum, now
+    if STOP.saving:  # finishing the write is what keeps a checkpoint whole; the loop stops after it
+        return
+    if first and STOP.graceful:
+        print(f"{name}: stopping after the step under way, with a checkpoint (a second signal "
+              "abandons the step)", flush=True)
+        return
+    where = (f"abandoned the step after step {STOP.step}" if STOP.graceful
+             else "stopped during setup (a tiny base's format warm-up resumes from its last save)")
+    _exit_line(f"{name}: {where}; " + resume_hint(), signum)
+
+
+def stop_requested_all(step):
+    """After `step`: did any rank get a stop signal? All ranks agree (as out_of_time_all), so every rank
+    checkpoints and leaves after the same step."""
+    STOP.step = step
+    STOP.stopped = bool(all_max(int(bool(STOP.signum))))
+    return STOP.stopped
+
+
+def exit_if_stopped(master=True):
+    """After the loop: a run stopped by a signal exits with 128 + the signal's number (the shell's
+    convention: scripts and schedulers see it did not finish) and one line with the command that
+    resumes it."""
+    if not STOP.stopped:
+        return
+    signum = STOP.signum or signal.SIGTERM  # another rank's signal
+    line = f"{signal.Signals(signum).name}: stopped after step {STOP.step}; " + resume_hint()
+    _exit_line(line if master else "", signum)
+
+
+def _exit_line(line, signum):
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def resume_hint():
+    """What brings the run back: --resume true from its checkpoint, or (none yet) the command again."""
+    if STOP.ckpt_step is not None:
+        return f"resume from the checkpoint at step {STOP.ckpt_step} with: {launch_command(resume=True)}"
+    metrics = os.path.join(STOP.out_dir, "metrics.jsonl") if STOP.out_dir else ""
+    logged = metrics and os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    return "no checkpoint yet; start again with: " + launch_command(overwrite=bool(logged))
+
+
+def launch_command(resume=False, overwrite=False, argv=None):
+    """This process's command line, with --resume / --overwrite set as asked (torchrun: its ranks per
+    node; any other torchrun flags of the launch are not known here)."""
+    argv, kept, i = list(sys.argv[1:] if argv is None else argv), [], 0
+    while i < len(argv):
+        name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
+        if name in ("resume", "overwrite"):
+            i += 1 if "=" in argv[i] else 2
+            continue
+        kept.append(argv[i])
+        i += 1
+    kept += ["--resume", "true"] if resume else ["--overwrite", "true"] if overwrite else []
+    script = sys.argv[0] or "train.py"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        head = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)} {script}"
+    else:
+        head = f"python {script}"
+    return " ".join([head] + [shlex.quote(a) for a in kept])
 
 
 def out_of_time_all(cfg, elapsed):

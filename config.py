@@ -158,7 +158,7 @@ def check(cfg, given):
     check_method(cfg, given)
     check_search(cfg)
     check_model(cfg)
-    check_run_folder(cfg)
+    check_out_dir(cfg)
 
 
 def check_task(cfg):
@@ -221,6 +221,7 @@ def check_search(cfg):
     searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
     if searching and cfg["task"] != "search":
         raise SystemExit(f"--{searching[0]} is for --task search")
+    C.refuse_empty_files(cfg, ("search_train", "search_test"))  # never a silent fallback
     for k in ("search_train", "search_test"):
         if cfg[k] and not os.path.isfile(cfg[k]):
             raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or "
@@ -277,7 +278,7 @@ def check_model(cfg):
                          f"ranks: use a multiple of {world_env}")
 
 
-def check_run_folder(cfg):
+def check_out_dir(cfg):
     """The run folder can be written, the stop step lies in the run, a resume has its checkpoint,
     and --wandb has its package."""
     if cfg["wandb"] and importlib.util.find_spec("wandb") is None:

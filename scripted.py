@@ -28,17 +28,27 @@ class ScriptedEngine(Engine):
         import random
         rng = random.Random(f"{self.seed}-{self.calls if seed is None else seed}")
         self.calls += 1
-        out = []
+        out, longest = [], 0
         for p in prompts:
             text = self.tok.decode(p, skip_special_tokens=False)
             row = []
             for _ in range(n):
-                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)[
-                    : max(0, max_new_tokens - 1)
-                ] + [self.eos]
+                ids = self.tok.encode(self.script(text, rng), add_special_tokens=False)
+                longest = max(longest, len(ids))
+                ids = ids[: max(0, max_new_tokens - 1)] + [self.eos]
                 row.append(Completion(ids, [0.0] * len(ids)))
             out.append(row)
+        self.say_if_cut(longest, max_new_tokens)
         return out
+
+    def say_if_cut(self, longest, max_new_tokens):
+        """Once per engine: the scripted answers did not fit the response budget, so they were
+        cut (and mostly score 0): a line says so and how to fit them."""
+        if longest + 1 > max_new_tokens and not getattr(self, "_said_cut", False):
+            self._said_cut = True
+            print(f"note: scripted answers are cut to the response budget of {max_new_tokens} "
+                  f"tokens (--max_new_tokens; this call's longest has {longest}): give a budget "
+                  "that fits them, e.g. --max_new_tokens 256", flush=True)
 
     def load(self, weights):
         for _ in weights:  # consumed: under FSDP2 each tensor is a collective every rank takes part in

@@ -60,6 +60,17 @@ torch.set_num_threads(2)
 # fixtures: one tiny model folder and one vLLM engine for the session (vLLM takes ~25 s to start on CPU)
 
 
+# the tiny bases of runs that no test points elsewhere: never the user's ~/.cache
+os.environ.setdefault(tiny.CACHE_ENV, tempfile.mkdtemp(prefix="at-grpo-mini-test-cache-"))
+
+
+@pytest.fixture(autouse=True)
+def tiny_cache(tmp_path, monkeypatch):
+    """Each test's tiny bases in its own tmp_path (the tests that read a base find it there), its
+    subprocesses' too (they inherit the variable)."""
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
@@ -4414,7 +4425,12 @@ cfg = {"time_limit_min": 1.0}
 late = C.out_of_time_all(cfg, 61.0 if rank == 1 else 59.0)  # only rank 1's clock is past the limit
 early = C.out_of_time_all(cfg, 59.0)
 off = C.out_of_time_all({"time_limit_min": 0.0}, 1e9)
-open(os.environ["OUTF"] + str(rank), "w").write(f"{late} {early} {off}")
+C.stop_on_signals()  # a real SIGTERM to rank 1 alone: both ranks stop after the same step
+C.finish_steps_on_signal()
+if rank == 1:
+    os.kill(os.getpid(), __import__("signal").SIGTERM)
+stop = C.stop_requested_all(3)
+open(os.environ["OUTF"] + str(rank), "w").write(f"{late} {early} {off} {stop}")
 C.close_dist()
 '''
 
@@ -4447,7 +4463,7 @@ def test_time_limit_stops_every_rank_together(tmp_path):
     (tmp_path / "w.py").write_text(STOP_WORKER)
     _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29547", str(tmp_path / "w.py")],
          env_extra={"HERE": HERE, "OUTF": str(tmp_path / "r"), **CPU_RANKS})
-    assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False"] * 2
+    assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False True"] * 2
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -4642,6 +4658,165 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9), (x["step"], k)
 
 
+# tiny subprocess runs of train.py: scripted answers, no warm-up, two envs of two turns
+FAST = [PY, "train.py", "--engine", "scripted", "--warmup_steps", "0", "--dynamic_sampling", "0",
+        "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_n", "4"]
+
+
+def test_run_folder_is_never_replaced_unasked(tmp_path):
+    """Issue 61: a second `python train.py` into a folder that holds a run stops with one line naming
+    --resume true and another --out_dir, and leaves the run as it was; --overwrite true replaces it.
+    A run prints no library warning (DCP's single-process notice came with every checkpoint)."""
+    out = tmp_path / "run"
+    args = FAST + ["--steps", "2", "--ckpt_every", "2", "--eval_every", "0", "--out_dir", str(out)]
+    first = _run(args)
+    assert not first.stderr.strip(), first.stderr
+    metrics, state = (out / "metrics.jsonl").read_text(), (out / "ckpt" / "state.pt").read_bytes()
+    assert metrics.count("\n") == 2
+    for missing in ("", "ckpt"):  # a checkpoint; then metrics alone (nothing to resume)
+        if missing:
+            import shutil
+            shutil.rmtree(out / missing)
+        r = subprocess.run(args, cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and not r.stdout.strip(), r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert "--out_dir" in line and "--overwrite true" in line
+        assert ("--resume true" in line) == (not missing), line
+        assert (out / "metrics.jsonl").read_text() == metrics
+    assert state and not (out / "ckpt").exists()
+    _run(args[:-2] + ["--steps", "1", "--out_dir", str(out), "--overwrite", "true"])
+    assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig):
+    """Issue 61: Ctrl-C (SIGINT) or SIGTERM to a running train.py: it finishes the step, checkpoints,
+    and exits 128 + the signal with one line, no traceback, holding the exact command that resumes;
+    that command says where it resumes from and ends with the log of an uninterrupted run."""
+    import re
+    import shlex
+    import signal
+    args = FAST + ["--steps", "8", "--stop_step", "5", "--ckpt_every", "100", "--eval_every", "2"]
+    _run(args + ["--out_dir", str(tmp_path / "a")])
+    p = subprocess.Popen(args + ["--out_dir", str(tmp_path / "b")], cwd=HERE, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in p.stdout:
+        if line.startswith("step    2"):
+            p.send_signal(getattr(signal, sig))
+            break
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 128 + getattr(signal, sig), err
+    assert "Traceback" not in err and "Traceback" not in out
+    (line,) = err.strip().splitlines()
+    stopped = int(re.match(rf"{sig}: stopped after step (\d+); resume from the checkpoint at step \1 "
+                           "with: python ", line)[1])
+    assert 2 <= stopped < 5
+    assert torch.load(tmp_path / "b" / "ckpt" / "state.pt")["step"] == stopped
+    cmd = shlex.split(line.split(" with: ", 1)[1])
+    assert cmd[-2:] == ["--resume", "true"]
+    r = _run([PY] + cmd[1:])
+    assert f"resuming from step {stopped}: checkpoint {tmp_path / 'b' / 'ckpt'}" in r.stdout
+
+    def strip(path):
+        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"}
+                for l in open(path)]
+    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    assert [x["step"] for x in b] == [0, 1, 2, 3, 4, 5] and a == b
+
+
+def test_resume_refuses_what_it_cannot_honour(tmp_path):
+    """Issue 61: --resume with a flag that changes what the checkpoint is (config.json has the run's),
+    or with no step left to train, stops with one line naming the saved value, before anything loads
+    (no tiny base is built)."""
+    import train as T
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    saved = T.configure(["--out_dir", str(out), "--warmup_steps", "0"])
+    (out / "config.json").write_text(json.dumps(saved))
+    torch.save({"step": 4, "metrics_lines": 5, "time": 60.0}, out / "ckpt" / "state.pt")
+    resume = ["--out_dir", str(out), "--warmup_steps", "0", "--resume", "true"]
+    for argv, msg in [
+        (["--task", "sokoban"], "trained with --task plan .its config.json., not sokoban"),
+        (["--workflow", "single"], "trained with --workflow mas"),
+        (["--policies", "per_role"], "trained with --policies shared"),
+        (["--policy", "tool=tiny-small"], "trained with --policy '' .*resume with --policy ''"),
+        (["--steps", "4"], "at step 4, and this run ends at step 4 .*give --steps above 4"),
+        (["--stop_step", "3"], "at step 4, and this run ends at step 3"),
+    ]:
+        with pytest.raises(SystemExit, match=msg):
+            T.main(resume + argv)
+    with pytest.raises(SystemExit, match="holds a run with a checkpoint: continue it with --resume"):
+        T.main(["--out_dir", str(out), "--warmup_steps", "0"])
+    assert not list(tmp_path.glob("tiny-base-*"))
+
+
+def test_empty_search_file_stops_the_run(tmp_path):
+    """Issue 61: an empty --search_train or --search_test stops with one line naming the file (it used
+    to train on the generated worlds instead, silently)."""
+    import train as T
+    empty = tmp_path / "q.jsonl"
+    empty.write_text("\n \n")
+    for flag in ("--search_train", "--search_test"):
+        with pytest.raises(SystemExit, match=f"{flag} '{empty}' is empty"):
+            T.configure(["--task", "search", flag, str(empty)])
+
+
+def test_warmup_shows_its_progress_resumes_and_is_cached_once(tmp_path, monkeypatch, capsys):
+    """Issue 61: the tiny base's format warm-up prints its progress with an ETA, resumes from its last
+    saved state after an interrupt (the same weights as never stopped), and is cached by its settings'
+    hash in one folder ($AT_GRPO_MINI_CACHE here), wherever the run's folder is."""
+    import train as T
+    from safetensors.torch import load_file
+    cfg = T.configure(["--warmup_steps", "4", "--out_dir", str(tmp_path / "a" / "run")])
+    path = tiny.base_path(cfg)
+    assert os.path.dirname(path) == str(tmp_path)
+    assert path == tiny.base_path(T.configure(["--warmup_steps", "4", "--out_dir", "/elsewhere/run"]))
+    monkeypatch.setattr(tiny, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(tiny, "WARMUP_SAVE_S", 0.0)  # a save after every step
+    whole = str(tmp_path / "whole")
+    tiny.build_base(whole, cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert [l.split(":")[0] for l in lines[1:]] == [f"format warm-up {i}/4" for i in range(1, 5)]
+    assert all(" eta " in l for l in lines[1:])
+    real, calls = tiny.sft_step, []
+
+    def interrupted(*a):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a Ctrl-C during the third step
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(tiny, "sft_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.build_base(path, cfg)
+    assert not os.path.exists(os.path.join(path, "config.json"))
+    assert "format warm-up 2/4" in capsys.readouterr().out
+    monkeypatch.setattr(tiny, "sft_step", real)
+    tiny.build_base(path, cfg)
+    out = capsys.readouterr().out
+    assert "on from step 2" in out and "format warm-up 1/4" not in out
+    a = load_file(os.path.join(whole, "model.safetensors"))
+    b = load_file(os.path.join(path, "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_scripted_answers_say_when_the_budget_cuts_them(tiny_dir, capsys):
+    """Issue 61: scripted answers cut to a response budget too small for them (the tiny preset's 8
+    tokens under `--task math --team 2,2 --engine scripted`) score 0; the engine says so once, naming
+    a budget that fits; under that budget the answers are whole and nothing is said."""
+    from scripted import ScriptedEngine
+    eng = ScriptedEngine(tiny_dir, seed=0)
+    prompt = eng.tok.encode("a game", add_special_tokens=False)
+    for budget in (8, 8):
+        (c,), = eng.generate([prompt], max_new_tokens=budget)
+        assert len(c.ids) == 8
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and "--max_new_tokens 256" in said[0]
+    eng = ScriptedEngine(tiny_dir, seed=0)
+    (c,), = eng.generate([prompt], max_new_tokens=256)
+    assert eng.tok.decode(c.ids[:-1]).endswith("]") and not capsys.readouterr().out
+
+
 # -----------------------------------------------------------------------------
 # [eval] eval.py: metrics against brute force, intervals against known cases, end to end, bad input
 
@@ -4731,6 +4906,31 @@ def test_runs_tokens_spent_by_hand(tmp_path):
     assert row[2] == "3" and row[6].startswith("0.30") and row[-1] == "10 |"
     with pytest.raises(SystemExit, match="fewer than --at_tokens 101"):
         RUNS.summary([dear], at_tokens=101)
+
+
+def test_runs_of_different_tasks_and_small_budgets(tmp_path):
+    """Issue 61: tools/runs.py on runs of different tasks without evaluations (--eval_every 0): one
+    label per task naming its preset, not every value the preset sets; "-" where a run has no number
+    (not nan); --at_tokens below a run's first step is one line naming the smallest that works."""
+    import train as T
+
+    def run(task):
+        d = tmp_path / task
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(T.configure(["--task", task, "--out_dir", str(d)])))
+        rows = [{"step": s, "resp_tokens": 40, "samples": 8, "t_step": 1.0} for s in (1, 2)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+    dirs = [run("plan"), run("sokoban")]
+    assert list(RUNS.group_runs(dirs)) == ["--preset tiny-plan --task plan",
+                                           "--preset tiny-sokoban --task sokoban"]
+    table = RUNS.summary(dirs)
+    assert "nan" not in table
+    row = table.splitlines()[2]
+    assert row.startswith("| --preset tiny-plan --task plan | 1 | 2 | 1.00 | 8 | - | - [---] |"), row
+    with pytest.raises(SystemExit, match="generated 40 tokens in its first step, more than "
+                                         "--at_tokens 10: give --at_tokens 40 or more"):
+        RUNS.summary(dirs, at_tokens=10)
 
 
 def test_pass_and_avg_at_k_brute_force():

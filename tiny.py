@@ -3,14 +3,19 @@ The embedded default's base model: a random tiny Qwen3 (model.build_tiny: byte t
 warmed up on the answer *format* only, the analogue of a real base model that knows how to answer but not how to
 solve. The warm-up trains on (observation, random well-formed answer) pairs; for Sokoban and Sudoku the random
 answers are legal moves in the room or grid shown, never solutions (why: docs/design.md, "The tiny default").
-The base is cached beside the run folder under a name that holds a hash of everything it was built from, so every
-ablation starts from the same weights and another setting is another folder.
+The base is cached in one folder for every run (cache_dir(): ~/.cache/at-grpo-mini, or
+$AT_GRPO_MINI_CACHE) under a name that holds a hash of everything it was built from, so every
+ablation starts from the same weights wherever its run folder is, and another setting is another
+folder. The warm-up prints its progress and ETA every few seconds and saves its state every
+WARMUP_SAVE_S seconds: an interrupted warm-up resumes there.
 """
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
+import time
 
 import torch
 
@@ -22,13 +27,28 @@ from rollout import Agents
 TINY_VERSION = 1  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
 
 
+CACHE_ENV = "AT_GRPO_MINI_CACHE"  # the cache folder's override (the tests: their tmp_path)
+WARMUP_SAVE_S = 30.0  # the warm-up's state is saved this often: an interrupt loses at most this
+PROGRESS_S = 5.0      # a progress line at least this often (and at the end)
+
+
+def cache_dir():
+    """Where the tiny bases live: $AT_GRPO_MINI_CACHE, else $XDG_CACHE_HOME/at-grpo-mini, else
+    ~/.cache/at-grpo-mini. One folder for every run, not the run's parent: a run anywhere finds a
+    base another run built (docs/design.md, "The tiny default")."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "at-grpo-mini")
+
+
 def base_path(cfg, size="tiny"):
-    """The cached base of this run's task, seed, size and warm-up settings, next to its out_dir."""
+    """The cached base of this run's task, seed, size and warm-up settings, in cache_dir()."""
     settings = dict(version=TINY_VERSION, task=cfg["task"], seed=cfg["seed"], size=size,
                     warmup_steps=cfg["warmup_steps"], warmup_moves=cfg["warmup_moves"])
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     name = f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}") + f"-{digest}"
-    return os.path.join(os.path.dirname(os.path.abspath(cfg["out_dir"])), name)
+    return os.path.join(cache_dir(), name)
 
 
 def bases(cfg, pols, master, world):
@@ -46,23 +66,52 @@ def bases(cfg, pols, master, world):
 
 
 def build_base(path, cfg, size="tiny"):
-    """Random tiny Qwen3 + tokenizer at `path`, then `warmup_steps` of SFT on random well-formed answers for the
-    compact task. Does nothing if `path` exists (the cache)."""
+    """Random tiny Qwen3 + tokenizer at `path`, then `warmup_steps` of SFT on random well-formed
+    answers for the compact task. Does nothing if `path` exists (the cache). A lock file makes a
+    second run that needs the same base wait for the first, not build it into the same folder."""
     if os.path.exists(os.path.join(path, "config.json")):
         return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # a hidden name beside the base (never unlinked: a waiter holds it open)
+    lock_path = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".lock")
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"format warm-up: waiting for another run building {path}", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            _build_base(path, cfg, size)
+
+
+def _build_base(path, cfg, size):
     task = cfg["task"]
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    state_path = os.path.join(tmp, "warmup-state.pt")
+    state = torch.load(state_path, weights_only=False) if os.path.exists(state_path) else None
+    if state is None:
+        shutil.rmtree(tmp, ignore_errors=True)
     m = M.build_tiny(tmp, seed=cfg["seed"], size=size)
     if task in E.GENERATED and cfg["warmup_steps"] > 0:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tmp)
         rng = random.Random(cfg["seed"])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+        first = 0
+        if state is not None:  # an interrupted warm-up: on from its last save, as if never stopped
+            m.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            rng.setstate(state["rng"])
+            first = state["step"]
         agents = Agents(tok, [], {})
         roles = E.task_roles(task)
         end = [tok.convert_tokens_to_ids("<|im_end|>")]
-        for it in range(cfg["warmup_steps"]):
+        total = cfg["warmup_steps"]
+        again = f", on from step {first}" if first else ""
+        print(f"format warm-up of the tiny base: {total} steps{again}, once per task, seed and "
+              f"warm-up (cached in {path})", flush=True)
+        t0 = t_print = t_save = time.time()
+        for it in range(first, total):
             batch = []
             for _ in range(32):
                 if task == "search":
@@ -77,14 +126,31 @@ def build_base(path, cfg, size="tiny"):
                     (p, tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + end)
                 )
             loss = sft_step(m, opt, batch)
-            if (it + 1) % 50 == 0 or it + 1 == cfg["warmup_steps"]:
-                print(f"format warm-up {it + 1}/{cfg['warmup_steps']}: loss {loss:.3f}", flush=True)
+            now = time.time()
+            if now - t_save >= WARMUP_SAVE_S and it + 1 < total:
+                save_warmup_state(state_path, m, opt, rng, it + 1)
+                t_save = now
+            if now - t_print >= PROGRESS_S or it + 1 == total:
+                eta = (total - it - 1) * (now - t0) / (it + 1 - first)
+                print(f"format warm-up {it + 1}/{total}: loss {loss:.3f}, {now - t0:.0f}s, "
+                      f"eta {eta:.0f}s", flush=True)
+                t_print = now
         M.save_model(m, tmp)
     json.dump(
         {k: cfg[k] for k in ("task", "seed", "warmup_steps", "warmup_moves")} | {"size": size, "version": TINY_VERSION},
         open(os.path.join(tmp, "warmup.json"), "w"),
     )
+    if os.path.exists(state_path):
+        os.remove(state_path)
     os.replace(tmp, path)
+
+
+def save_warmup_state(path, m, opt, rng, step):
+    """The warm-up's model, optimizer and data stream after `step` steps, written whole or not
+    at all."""
+    state = {"model": m.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "step": step}
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)
 
 
 def random_answer(task, rng, max_moves=4, game=None):

@@ -137,6 +137,7 @@ eval_thinking = False      # eval.py: Qwen3's thinking switch
 seed = 0                   # seeds the tiny base, the envs, sampling and the adapters
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
 resume = False             # continue from out_dir/ckpt
+overwrite = False          # replace the run in out_dir (else a folder with one is refused)
 stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule still
                            # spans --steps: a run stopped at N is the first N steps of one
 time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
@@ -600,6 +601,7 @@ def main(argv):
         print(P.optimizer_steps_line(cfg))
         raise SystemExit(memory.print_plan(cfg))
     memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
+    C.check_run_folder(cfg)  # never replace a run unasked; a resume continues it as saved
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
     master = rank == 0
     if master:
@@ -632,6 +634,7 @@ def main(argv):
         res = held_out(test_envs, agents, cfg, 0, rank, world, master)
         log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
     dlogp_hist = [[] for _ in pols]
+    C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
@@ -665,16 +668,17 @@ def main(argv):
         if master:
             print(step_line(rec, roles, len(pols), eta), flush=True)
         out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
+        stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
         final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
         log.write(rec)
-        if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final):
+        if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final or stop):
             save(cfg, last, models, opts, pols, engines, tokenizer, rank, time.time() - t_run)
         if out_of_time and master:
             print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
-        if final:
+        if final or stop:
             break
 
     for engine in P.distinct_engines(engines):  # engines first: vLLM's own groups go before ours
@@ -682,6 +686,7 @@ def main(argv):
     log.close()
     if C.OWN_GROUP:
         C.close_dist()
+    C.exit_if_stopped(master)  # one line with the command that resumes, exit status 128 + signal
 
 
 def print_config(cfg):
@@ -741,4 +746,5 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
 
 
 if __name__ == "__main__":
+    C.stop_on_signals()  # Ctrl-C and SIGTERM: one line and a resumable run, never a traceback
     main(sys.argv[1:])

@@ -3,7 +3,7 @@ policies read the room at all?"). RL leaves the tiny policy open-loop (one answe
 model's size or the view? This fine-tunes the cached tiny base on *solver* answers from the state shown (on training
 instances, and on states along their solutions as later turns see them) and saves it for eval.py:
 
-    python docs/sft_probe.py sokoban runs/tiny-base-sokoban-s1-HASH runs/sft-probe-sokoban-s1 600
+    python docs/sft_probe.py sokoban ~/.cache/at-grpo-mini/tiny-base-sokoban-s1-HASH runs/sft-probe-sokoban-s1 600
     python eval.py --task sokoban --model runs/sft-probe-sokoban-s1
 
 Sokoban's answer: the first 7 moves of a BFS-shortest solution (the tiny budget: 7 moves and the end of turn).

@@ -3,7 +3,7 @@ minutes go"). The 200 test rooms are split by the length of their shortest solut
 `shortest`) and by whether the player starts on the push spot (the line's first field is +0+0: the room needs pushes
 only, no walk). A policy that learned to push but not to walk solves the first rows and the "on the spot" rooms only:
 
-    python docs/sokoban_lengths.py runs/tiny-base-sokoban-s1-HASH             # an untrained base
+    python docs/sokoban_lengths.py ~/.cache/at-grpo-mini/tiny-base-sokoban-s1-HASH             # an untrained base
     python docs/sokoban_lengths.py runs/sokoban-s1/ckpt/policy-tool+plan   # a trained policy
 
 Greedy, both agents, the episode's 4 turns: eval.py's held-out protocol (train.py's evaluations), per room."""

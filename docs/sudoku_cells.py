@@ -4,7 +4,7 @@ each digit of the greedy 16-digit answer below it is the unique solution's digit
 policy that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test puzzles in 4 turns
 (README), so "1 cand" cells written with the solution's digit is the first thing to read:
 
-    python docs/sudoku_cells.py runs/tiny-base-sudoku-s2-HASH          # an untrained base
+    python docs/sudoku_cells.py ~/.cache/at-grpo-mini/tiny-base-sudoku-s2-HASH          # an untrained base
     python docs/sudoku_cells.py runs/sudoku-s2/ckpt/policy-tool+plan  # a trained policy
 
 The tool agent answers the view; the plan agent answers the view after the tool agent's greedy answer."""

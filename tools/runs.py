@@ -52,20 +52,22 @@ def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
                 linewidth=2.5,
                 label=f"{label} (mean of {len(runs)})",
             )
-    for d, rec in (run for runs in groups.values() for run in runs):  # the records group_runs read (and cut at at_step)
+    # the records group_runs read (and cut at at_step); each run in its configuration's colour (as
+    # in the held-out panel), each agent or policy a line style: runs of several tasks stay readable
+    styles = ["-", "--", ":", "-."]
+    coloured = [(f"C{n % 10}", d, rec) for n, runs in enumerate(groups.values()) for d, rec in runs]
+    for color, d, rec in coloured:
         name = os.path.basename(os.path.normpath(d))
-
-        def xs(key):
-            return [(xof(d, r), r[key]) for r in rec if key in r]
-        for key in sorted({k for r in rec for k in r if k.startswith("reward_")}):
-            v = xs(key)
-            axes[1].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[7:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("dlogp_p")}):
-            v = xs(key)
-            axes[2].semilogy([x for x, _ in v], [max(y, 1e-12) for _, y in v], label=f"{name} {key[6:]}")
-        for key in sorted({k for r in rec for k in r if k.startswith("grad_norm_p")}):
-            v = xs(key)
-            axes[3].plot([x for x, _ in v], [y for _, y in v], label=f"{name} {key[10:]}")
+        # the panel, its keys' prefix, where a key's label starts (the agent; the policy, "p0")
+        panels_of_run = ((axes[1], "reward_", 7), (axes[2], "dlogp_p", 6), (axes[3], "grad_norm_p", 10))
+        for ax, prefix, cut in panels_of_run:
+            keys = sorted({k for r in rec for k in r if k.startswith(prefix)})
+            for i, key in enumerate(keys):
+                v = [(xof(d, r), r[key]) for r in rec if key in r]
+                ys = [max(y, 1e-12) if prefix == "dlogp_p" else y for _, y in v]
+                draw = ax.semilogy if prefix == "dlogp_p" else ax.plot
+                draw([x for x, _ in v], ys, color=color, linestyle=styles[i % 4], alpha=0.7,
+                     label=f"{name} {key[cut:]}")
     for ax, (_, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel({"minutes": "wall-clock minutes", "steps": "training step", "tokens": "response tokens"}[x])
@@ -95,6 +97,17 @@ def flag_defaults():
     return dict(T.FLAGS)
 
 
+def preset_keys():
+    """The values a preset sets, and those resolved from them (each role's sampling settings)."""
+    import train as T
+    return {k for p in T.PRESETS.values() for k in p} | {"role_sampling", "role_eval_sampling"}
+
+
+def num(x, spec=".2f"):
+    """A number for a table, or "-" where a run has none (no evaluation, no step: nan)."""
+    return "-" if x != x else format(x, spec)
+
+
 def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
     """{label: [(run dir, metrics records)]}: runs grouped by configuration (config.json without the seed and
     out_dir), labelled by the config values that differ between the runs given. A run without config.json (only
@@ -120,6 +133,8 @@ def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
         runs.append((d, cfg, rec))
     cfgs = [c for _, c, _ in runs if c is not None]
     varying = sorted({k for c in cfgs for k in c if any(c.get(k) != c2.get(k) for c2 in cfgs)})
+    if "preset" in varying:  # runs of different tasks: the preset names what it sets (readable)
+        varying = [k for k in varying if k not in preset_keys()]
     groups = {}
     for d, c, rec in runs:
         label = os.path.basename(os.path.normpath(d)) if c is None else (
@@ -143,6 +158,10 @@ def cut_at(d, rec, at_step, at_tokens):
         if total < at_tokens:
             raise SystemExit(f"{d!r} generated {total} tokens, fewer than --at_tokens {at_tokens}: give a smaller "
                              "--at_tokens or drop the run")
+        first = min((tokens for step, tokens in spent.items() if step >= 1), default=0)
+        if first > at_tokens:  # not one training step fits: nothing to compare at this budget
+            raise SystemExit(f"{d!r} generated {first} tokens in its first step, more than "
+                             f"--at_tokens {at_tokens}: give --at_tokens {first} or more")
         last = max(step for step, tokens in spent.items() if tokens <= at_tokens)
         rec = [r for r in rec if r["step"] <= last]
     return rec
@@ -208,12 +227,13 @@ def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
             tps.append(upper_median([r["resp_tokens"] for r in rec if "resp_tokens" in r]))
         n = len(recs)
         base, final = sum(bases) / n, sum(finals) / n
+        ratio = f"{final / base:.1f}x" if base == base and base else "-"  # none without step 0's
         lines.append(
-            f"| {label} | {n} | {sum(steps) / n:.0f} | {upper_median(sps):.2f} | {upper_median(smp):.0f} "
-            f"| {base:.2f} | {final:.2f} "
-            f"[{min(finals):.2f}-{max(finals):.2f}] | {f'{final / base:.1f}x' if base else '-'} | "
-            f"{sum(bests) / n:.2f} | {', '.join(firsts)} | {', '.join(lows)} |"
-            + (f" {upper_median(tps):.0f} |" if at_tokens is not None else "")
+            f"| {label} | {n} | {sum(steps) / n:.0f} | {num(upper_median(sps))} "
+            f"| {num(upper_median(smp), '.0f')} | {num(base)} | {num(final)} "
+            f"[{num(min(finals))}-{num(max(finals))}] | {ratio} | "
+            f"{num(sum(bests) / n)} | {', '.join(firsts)} | {', '.join(lows)} |"
+            + (f" {num(upper_median(tps), '.0f')} |" if at_tokens is not None else "")
         )
     return "\n".join(lines)
 
