@@ -2494,7 +2494,7 @@ def _call(traj, role, turn, reward, anchor, env=0):
 
 
 def test_gigpo_discounts_once_per_env_step():
-    """Issue 59 item 8. Dr. MAS gives every agent call of one env step the same return and discounts
+    """Dr. MAS gives every agent call of one env step the same return and discounts
     once per env step (core_algos.py:156-173). Search, two trajectories from one question, gamma 0.5,
     mean_norm, w 1: turn 0 (verifier, search), turn 1 (verifier, answer). Trajectory 0's search finds the
     passage (0.5) and its answer is right (1); trajectory 1 earns nothing. Turn returns of trajectory 0:
@@ -2511,7 +2511,7 @@ def test_gigpo_discounts_once_per_env_step():
 
 
 def test_gigpo_episode_groups_per_call_trajectory_or_agent():
-    """Issue 59 item 9: the three episode statistics, by hand. Every anchor differs (step advantage 0),
+    """the three episode statistics, by hand. Every anchor differs (step advantage 0),
     mean_std_norm: env 0, trajectory 0 = tool, plan (turn 0), plan (turn 1), total 2; trajectory 1 =
     tool, plan, total 0; env 1 holds one trajectory (tool, plan), total 3.
       call        env 0 over five calls [2, 2, 2, 0, 0]: mean 1.2, std 1.0954; env 1 [3, 3]: std 0, so 0
@@ -2543,7 +2543,7 @@ def test_gigpo_episode_groups_per_call_trajectory_or_agent():
 
 
 def test_gigpo_anchors_are_the_envs_state_not_the_prompt(tiny_dir):
-    """Issue 59 item 10: verl-agent and Dr. MAS group on the env's own observation of the state
+    """verl-agent and Dr. MAS group on the env's own observation of the state
     (`anchor_obs`: env_manager.py:30,54 returns the search env's question, then what it retrieved), not
     the templated prompt, which on the full tasks says "turn N" / "step N of M". Two trajectories
     meeting one state at different turns share a step group; a different state does not."""
@@ -3550,7 +3550,7 @@ def _hits(*docs):
 
 
 def test_http_retriever_turns_every_transport_failure_into_a_counted_failed_search():
-    """Issue 59 items 1-3 and 7 against raw loopback servers: what a real http.client raises when
+    """Against raw loopback servers: what a real http.client raises when
     another service answers on the port (BadStatusLine), a reply is cut short (IncompleteRead), a
     header line is over 64 KiB (LineTooLong), plus an HTTP 500, a body that is not JSON, JSON of the
     wrong shape, a document whose contents is not a string, and a body over the reply cap: each is a
@@ -3626,7 +3626,7 @@ def test_http_retriever_turns_every_transport_failure_into_a_counted_failed_sear
 
 
 def test_passages_without_an_id_get_a_stable_id_from_their_contents():
-    """Issue 59 item 4: Search-R1's BM25 server returns {title, text, contents} without an id when its
+    """Search-R1's BM25 server returns {title, text, contents} without an id when its
     index stores the documents (`retrieval_server.py`, BM25Retriever._search), and without
     return_scores the hits are the documents themselves. Every server shape gives each passage an id
     of its own (from its contents where the server sends none), the same on every search; so the env's
@@ -3658,7 +3658,7 @@ def test_passages_without_an_id_get_a_stable_id_from_their_contents():
 
 
 def test_search_metrics_are_the_official_scorers_on_named_cases():
-    """Issue 59 item 5. --search_metric f1 is HotpotQA's f1_score (hotpotqa/hotpot,
+    """--search_metric f1 is HotpotQA's f1_score (hotpotqa/hotpot,
     hotpot_evaluate_v1.py): SQuAD's normalization and token F1, except that a prediction or a gold
     answer normalizing to yes, no or noanswer scores 0 unless both are equal; the best over the gold
     answers. --search_metric em is Search-R1's em_check (verl/utils/reward_score/qa_em.py): 1 if the
@@ -3687,7 +3687,7 @@ def test_search_metrics_are_the_official_scorers_on_named_cases():
 
 
 def test_question_files_are_validated_before_anything_loads(tmp_path):
-    """Issue 59 item 6: every error names the file and the row (1-based line of a jsonl, item of a
+    """every error names the file and the row (1-based line of a jsonl, item of a
     JSON list), with or without --retriever, at train.py's and eval.py's configure (before any model
     loads); HotpotQA's own distributed file (one JSON list, hotpot_train_v1.1.json) loads."""
     import train as T
@@ -4664,7 +4664,7 @@ FAST = [PY, "train.py", "--engine", "scripted", "--warmup_steps", "0", "--dynami
 
 
 def test_run_folder_is_never_replaced_unasked(tmp_path):
-    """Issue 61: a second `python train.py` into a folder that holds a run stops with one line naming
+    """a second `python train.py` into a folder that holds a run stops with one line naming
     --resume true and another --out_dir, and leaves the run as it was; --overwrite true replaces it.
     A run prints no library warning (DCP's single-process notice came with every checkpoint)."""
     out = tmp_path / "run"
@@ -4690,7 +4690,7 @@ def test_run_folder_is_never_replaced_unasked(tmp_path):
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig):
-    """Issue 61: Ctrl-C (SIGINT) or SIGTERM to a running train.py: it finishes the step, checkpoints,
+    """Ctrl-C (SIGINT) or SIGTERM to a running train.py: it finishes the step, checkpoints,
     and exits 128 + the signal with one line, no traceback, holding the exact command that resumes;
     that command says where it resumes from and ends with the log of an uninterrupted run."""
     import re
@@ -4726,14 +4726,14 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig):
 
 
 def test_resume_refuses_what_it_cannot_honour(tmp_path):
-    """Issue 61: --resume with a flag that changes what the checkpoint is (config.json has the run's),
+    """--resume with a flag that changes what the checkpoint is (config.json has the run's),
     or with no step left to train, stops with one line naming the saved value, before anything loads
     (no tiny base is built)."""
     import train as T
     out = tmp_path / "run"
     (out / "ckpt").mkdir(parents=True)
     saved = T.configure(["--out_dir", str(out), "--warmup_steps", "0"])
-    (out / "config.json").write_text(json.dumps(saved))
+    (out / "config.json").write_text(json.dumps(saved, default=vars))
     torch.save({"step": 4, "metrics_lines": 5, "time": 60.0}, out / "ckpt" / "state.pt")
     resume = ["--out_dir", str(out), "--warmup_steps", "0", "--resume", "true"]
     for argv, msg in [
@@ -4752,7 +4752,7 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path):
 
 
 def test_empty_search_file_stops_the_run(tmp_path):
-    """Issue 61: an empty --search_train or --search_test stops with one line naming the file (it used
+    """an empty --search_train or --search_test stops with one line naming the file (it used
     to train on the generated worlds instead, silently)."""
     import train as T
     empty = tmp_path / "q.jsonl"
@@ -4763,7 +4763,7 @@ def test_empty_search_file_stops_the_run(tmp_path):
 
 
 def test_warmup_shows_its_progress_resumes_and_is_cached_once(tmp_path, monkeypatch, capsys):
-    """Issue 61: the tiny base's format warm-up prints its progress with an ETA, resumes from its last
+    """the tiny base's format warm-up prints its progress with an ETA, resumes from its last
     saved state after an interrupt (the same weights as never stopped), and is cached by its settings'
     hash in one folder ($AT_GRPO_MINI_CACHE here), wherever the run's folder is."""
     import train as T
@@ -4801,7 +4801,7 @@ def test_warmup_shows_its_progress_resumes_and_is_cached_once(tmp_path, monkeypa
 
 
 def test_scripted_answers_say_when_the_budget_cuts_them(tiny_dir, capsys):
-    """Issue 61: scripted answers cut to a response budget too small for them (the tiny preset's 8
+    """scripted answers cut to a response budget too small for them (the tiny preset's 8
     tokens under `--task math --team 2,2 --engine scripted`) score 0; the engine says so once, naming
     a budget that fits; under that budget the answers are whole and nothing is said."""
     from scripted import ScriptedEngine
@@ -4909,7 +4909,7 @@ def test_runs_tokens_spent_by_hand(tmp_path):
 
 
 def test_runs_of_different_tasks_and_small_budgets(tmp_path):
-    """Issue 61: tools/runs.py on runs of different tasks without evaluations (--eval_every 0): one
+    """tools/runs.py on runs of different tasks without evaluations (--eval_every 0): one
     label per task naming its preset, not every value the preset sets; "-" where a run has no number
     (not nan); --at_tokens below a run's first step is one line naming the smallest that works."""
     import train as T
@@ -4917,7 +4917,7 @@ def test_runs_of_different_tasks_and_small_budgets(tmp_path):
     def run(task):
         d = tmp_path / task
         d.mkdir()
-        (d / "config.json").write_text(json.dumps(T.configure(["--task", task, "--out_dir", str(d)])))
+        (d / "config.json").write_text(json.dumps(T.configure(["--task", task, "--out_dir", str(d)]), default=vars))
         rows = [{"step": s, "resp_tokens": 40, "samples": 8, "t_step": 1.0} for s in (1, 2)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(d)
