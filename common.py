@@ -418,6 +418,78 @@ def refuse_empty_files(cfg, flags):
                                      f"or drop --{k} to train on the generated worlds")
 
 
+class MetricsLog:
+    """metrics.jsonl on rank 0, and the same numbers to Weights & Biases with --wandb."""
+
+    def __init__(self, cfg, master):
+        self.path = os.path.join(cfg["out_dir"], "metrics.jsonl")
+        self.master = master
+        self.wandb = None
+        if master and cfg["wandb"]:
+            import wandb
+            name = os.path.basename(os.path.abspath(cfg["out_dir"]))
+            self.wandb = wandb.init(project=cfg["wandb"], name=name, config=cfg)
+
+    def write(self, rec):
+        if self.master:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
+            self.wandb.log(numbers, step=rec["step"])
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def out_of_time_all(cfg, elapsed):
+    """--time_limit_min reached on any rank: every rank must stop after the same step (each reads its own clock, and
+    a rank that ran one more step than the others would wait in its collectives until the NCCL timeout)."""
+    mine = bool(cfg["time_limit_min"]) and elapsed > 60 * cfg["time_limit_min"]
+    return bool(all_max(int(mine)))
+
+
+def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
+    """Seconds left: the remaining steps at this process's pace (`done_steps` in `elapsed` s), or what is left of
+    --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
+    run's training time `run_elapsed` (a resumed run's included)."""
+    per_step = elapsed / max(1, done_steps)
+    left = ((cfg.get("stop_step") or cfg["steps"]) - step) * per_step
+    if cfg["time_limit_min"]:
+        used = elapsed if run_elapsed is None else run_elapsed
+        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
+    return left
+
+
+class PhaseClock:
+    """A step's phases, one after another: each one's wall-clock seconds and, on CUDA, the allocator's
+    peak while it ran (GiB). The one place the step's memory is probed."""
+
+    def __init__(self):
+        self.start = self.last = time.time()
+        self.seconds, self.peak_gib = {}, {}
+        cuda_peak_gib()  # the peak from here on
+
+    def lap(self, phase):
+        now = time.time()
+        self.seconds[phase], self.last = now - self.last, now
+        if torch.cuda.is_available():
+            self.peak_gib[phase] = cuda_peak_gib()
+
+    def elapsed(self):
+        return time.time() - self.start
+
+
+def cuda_peak_gib(reset=True):
+    if not torch.cuda.is_available():
+        return 0.0
+    v = torch.cuda.max_memory_allocated() / 2 ** 30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return v
+
+
 # -----------------------------------------------------------------------------
 # interrupts: Ctrl-C (SIGINT) and SIGTERM end a run cleanly, with the command that resumes it
 
@@ -514,57 +586,13 @@ def launch_command(resume=False, overwrite=False, argv=None):
             continue
         kept.append(argv[i])
         i += 1
-    kept += ["--resume", "true"] if resume else ["--overwrite", "true"] if overwrite else []
+    if resume:
+        kept += ["--resume", "true"]
+    elif overwrite:
+        kept += ["--overwrite", "true"]
     script = sys.argv[0] or "train.py"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         head = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 1)} {script}"
     else:
         head = f"python {script}"
     return " ".join([head] + [shlex.quote(a) for a in kept])
-
-
-def out_of_time_all(cfg, elapsed):
-    """--time_limit_min reached on any rank: every rank must stop after the same step (each reads its own clock, and
-    a rank that ran one more step than the others would wait in its collectives until the NCCL timeout)."""
-    mine = bool(cfg["time_limit_min"]) and elapsed > 60 * cfg["time_limit_min"]
-    return bool(all_max(int(mine)))
-
-
-def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
-    """Seconds left: the remaining steps at this process's pace (`done_steps` in `elapsed` s), or what is left of
-    --time_limit_min if that ends first (plus one step: the limit is checked after a step); the limit counts the whole
-    run's training time `run_elapsed` (a resumed run's included)."""
-    per_step = elapsed / max(1, done_steps)
-    left = ((cfg.get("stop_step") or cfg["steps"]) - step) * per_step
-    if cfg["time_limit_min"]:
-        used = elapsed if run_elapsed is None else run_elapsed
-        left = min(left, max(0.0, 60 * cfg["time_limit_min"] - used) + per_step)
-    return left
-
-
-class PhaseClock:
-    """A step's phases, one after another: each one's wall-clock seconds and, on CUDA, the allocator's
-    peak while it ran (GiB). The one place the step's memory is probed."""
-
-    def __init__(self):
-        self.start = self.last = time.time()
-        self.seconds, self.peak_gib = {}, {}
-        cuda_peak_gib()  # the peak from here on
-
-    def lap(self, phase):
-        now = time.time()
-        self.seconds[phase], self.last = now - self.last, now
-        if torch.cuda.is_available():
-            self.peak_gib[phase] = cuda_peak_gib()
-
-    def elapsed(self):
-        return time.time() - self.start
-
-
-def cuda_peak_gib(reset=True):
-    if not torch.cuda.is_available():
-        return 0.0
-    v = torch.cuda.max_memory_allocated() / 2 ** 30
-    if reset:
-        torch.cuda.reset_peak_memory_stats()
-    return v

@@ -27,7 +27,6 @@ What this script simplifies, and why:
     format only (tiny.py) on a compact game, through the same code path, with its own preset (why
     each value differs from the paper's: docs/design.md, "The tiny default").
 """
-import json
 import math
 import os
 import random
@@ -230,16 +229,12 @@ class UpdateStats:
     opt_steps: int = 0
 
 
-def row_logprobs(model, b):
-    """Per-token log-probs [B, T] of a collated batch, each at the temperature it was sampled at."""
-    return model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn, select=b.sel)
-
-
-def row_logprobs_entropy(model, b):
-    """(log-probs, full-vocabulary entropies), [B, T] each."""
-    out = model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn, select=b.sel,
-                entropy=True)
-    return out[..., 0], out[..., 1]
+def row_logprobs(model, b, entropy=False):
+    """Per-token log-probs [B, T] of a collated batch, each at the temperature it was sampled at;
+    with `entropy`, (log-probs, full-vocabulary entropies)."""
+    out = model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn,
+                select=b.sel, entropy=entropy)
+    return (out[..., 0], out[..., 1]) if entropy else out
 
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
@@ -272,7 +267,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
             b = collate(mb, device)
             entropy = None
             if cfg["entropy_coef"]:
-                logp, entropy = row_logprobs_entropy(model, b)
+                logp, entropy = row_logprobs(model, b, entropy=True)
             else:
                 logp = row_logprobs(model, b)
             old = logp.detach() if b.old is None else b.old
@@ -625,7 +620,7 @@ def main(argv):
     agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"])
     tasks, test_envs = load_tasks(cfg)  # --task search: a retrieval server is asked once here
     scheme = G.Scheme.of(cfg)  # how --algo turns rewards into advantages
-    log = MetricsLog(cfg, master)
+    log = C.MetricsLog(cfg, master)
     roles = P.task_roles(cfg)
     envs_per_rank = cfg["envs_per_step"] // world
     t_process = time.time()
@@ -709,31 +704,6 @@ def held_out(test_envs, agents, cfg, step, rank, world, master):
         print(f"eval step {step}: held-out success {res['accuracy']:.3f} "
               f"(95% CI {res['ci'][0]:.3f}-{res['ci'][1]:.3f}, n={res['n']}, greedy)")
     return res
-
-
-class MetricsLog:
-    """metrics.jsonl on rank 0, and the same numbers to Weights & Biases with --wandb."""
-
-    def __init__(self, cfg, master):
-        self.path = os.path.join(cfg["out_dir"], "metrics.jsonl")
-        self.master = master
-        self.wandb = None
-        if master and cfg["wandb"]:
-            import wandb
-            name = os.path.basename(os.path.abspath(cfg["out_dir"]))
-            self.wandb = wandb.init(project=cfg["wandb"], name=name, config=cfg)
-
-    def write(self, rec):
-        if self.master:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if self.wandb is not None:
-            numbers = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
-            self.wandb.log(numbers, step=rec["step"])
-
-    def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
