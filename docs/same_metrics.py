@@ -50,8 +50,10 @@ def run(commit, config, steps, work, python):
         cmd = [python, "train.py", "--steps", str(steps), "--stop_step", str(steps), "--time_limit_min", "0",
                "--out_dir", out] + CONFIGS[config]
         print(f"[{commit} {config}] {' '.join(cmd[1:])}", flush=True)
+        # each commit builds its own tiny base (commits that cache it under ~/.cache read this variable)
+        env = dict(os.environ, AT_GRPO_MINI_CACHE=os.path.join(work, f"runs-{commit}", "tiny-cache"))
         with open(os.path.join(work, f"log-{commit}-{config}.txt"), "w") as log:
-            subprocess.run(cmd, cwd=src, check=True, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run(cmd, cwd=src, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
         open(os.path.join(out, "done"), "w").close()
     return [json.loads(line) for line in open(metrics)]
 
