@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -481,10 +482,8 @@ def rank_stats(cfg, batch, samples, groups, updates, clock):
     without a signal) over every group generated, with DAPO's refill as without it."""
     generated = batch.generated
     zero_var = batch.refill_zero_var if cfg["dynamic_sampling"] else groups.zero_var_frac
-    calls, tokens = {}, {}
-    for s in generated:
-        calls[s.role] = calls.get(s.role, 0) + 1
-        tokens[s.role] = tokens.get(s.role, 0) + len(s.response_ids)
+    calls = Counter(s.role for s in generated)
+    tokens = {r: sum(len(s.response_ids) for s in generated if s.role == r) for r in calls}
     return StepStats(
         success=batch.success, samples=len(generated), trained_samples=len(samples),
         rollouts=batch.rollouts, loss=sum(u.loss for u in updates),
