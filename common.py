@@ -406,18 +406,6 @@ def check_resume(cfg):
                          f"give --steps above {step} to train on")
 
 
-def refuse_empty_files(cfg, flags):
-    """Each data file named by one of `flags` holds at least one non-blank line: an empty file would
-    leave the run on its generated data, silently. A missing file is check_search's."""
-    for k in flags:
-        path = cfg[k]
-        if path and os.path.isfile(path):
-            with open(path) as f:
-                if not any(line.strip() for line in f):
-                    raise SystemExit(f"--{k} {path!r} is empty: give a jsonl of questions, one per line, "
-                                     f"or drop --{k} to train on the generated worlds")
-
-
 class MetricsLog:
     """metrics.jsonl on rank 0, and the same numbers to Weights & Biases with --wandb."""
 

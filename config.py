@@ -221,7 +221,6 @@ def check_search(cfg):
     searching = [k for k in ("search_train", "search_test", "retriever") if cfg[k]]
     if searching and cfg["task"] != "search":
         raise SystemExit(f"--{searching[0]} is for --task search")
-    C.refuse_empty_files(cfg, ("search_train", "search_test"))  # never a silent fallback
     for k in ("search_train", "search_test"):
         if cfg[k] and not os.path.isfile(cfg[k]):
             raise SystemExit(f"--{k} {cfg[k]!r}: no such file (a jsonl of questions, Search-R1's or "

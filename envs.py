@@ -673,6 +673,7 @@ class CodeEnv(Env):
         return [self.roles]
 
     def __init__(self, row, workflow="mas", train_tests=None, compact=False):
+        super().__init__()
         self.row, self.roles = row, (("coder", "tester") if workflow == "mas" else ("coder",))
         # training scores on the first few ground-truth tests, evaluation on all of them
         # (docs/method.md §6)

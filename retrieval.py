@@ -271,7 +271,8 @@ def load_questions(path):
     Returns [{"question", "answers", "passages" (None: use the shared retriever), "gold"}]."""
     rows = [question_row(row, where, n) for where, n, row in read_rows(path)]
     if not rows:
-        raise ValueError(f"{path}: no questions in it")
+        raise ValueError(f"{path}: no questions in it: give a jsonl of questions, one per line (or "
+                         "HotpotQA's one JSON list)")
     return rows
 
 

@@ -4758,7 +4758,7 @@ def test_empty_search_file_stops_the_run(tmp_path):
     empty = tmp_path / "q.jsonl"
     empty.write_text("\n \n")
     for flag in ("--search_train", "--search_test"):
-        with pytest.raises(SystemExit, match=f"{flag} '{empty}' is empty"):
+        with pytest.raises(SystemExit, match=f"{flag}: {empty}: no questions in it: give a jsonl"):
             T.configure(["--task", "search", flag, str(empty)])
 
 
