@@ -435,7 +435,7 @@ def micro_batches(rows, budget, all_max=lambda n: n, bucket=False):
     number of FSDP forwards. `bucket` (packed rows on CUDA): a row counts at its bucket_length and a
     micro-batch of n rows is cut into powers of two (6 -> 4 + 2), so the shapes (B, T) flex
     compiles for are a small set (flex_shapes), whatever the lengths."""
-    padded = bucket_length if bucket else int
+    padded = bucket_length if bucket else int  # int: a row counts at its own length
     rows = sorted(rows, key=lambda r: -len(r.ids))
     out, cur = [], []
     for r in rows:
