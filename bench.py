@@ -8,6 +8,7 @@ one).
     python bench.py sandbox    # sandbox executions/s: a trivial program and a CodeContests test, +- bubblewrap
     python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
+    python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
 import functools
@@ -240,6 +241,65 @@ def bench_train(n_rollouts=3, repeats=5):
     )
 
 
+def bench_refill(steps=3, repeats=2):
+    """What DAPO's refill (the CPU default's --dynamic_sampling 3) generates per token it trains, for --refill batch
+    and missing: `steps` steps of real rollouts of the tiny base (T.collect, its seeds, interleaved modes), each a
+    repeat; per step, response tokens generated over response tokens trained (the kept groups' responses) and over
+    the update's forward tokens (prompt + response per row: unpacked, one row per sample; packed, a row per sibling
+    group). Then the update on each step's kept samples, packed vs unpacked, `repeats` interleaved times (as
+    bench_train). Medians over steps."""
+    import copy
+    import envs as E
+    import grpo_mas as G
+    import tiny
+    import train as T
+    from policies import make_engine
+    from rollout import Agents
+    from transformers import AutoTokenizer
+    cfg = T.configure([])  # the CPU default: preset tiny-plan, --dynamic_sampling 3
+    base = tiny.base_path(cfg)
+    tiny.build_base(base, cfg)  # cached: the same base every default run starts from
+    tok = AutoTokenizer.from_pretrained(base)
+    agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])], {"tool": 0, "plan": 0},
+                    cfg["max_prompt_tokens"])
+    tasks, _ = T.load_tasks(cfg)
+    E.set_timeouts(cfg["tool_timeout"], cfg["test_timeout"])
+    per = {m: [] for m in ("batch", "missing")}
+    kept_by_step = []
+    for step in range(steps):
+        for mode in per:
+            batch = T.collect({**cfg, "refill": mode}, step, 0, agents, tasks, cfg["envs_per_step"])
+            gen = sum(len(x.response_ids) for x in batch.generated)
+            kept = [x for x in batch.samples if x.response_ids]
+            resp = sum(len(x.response_ids) for x in kept)
+            fwd = {pack: sum(len(r.ids) for r in G.make_rows(kept, pack)) for pack in (False, True)}
+            per[mode].append(dict(rollouts=batch.rollouts, generated=len(batch.generated), kept=len(kept),
+                                  gen_per_trained_resp=gen / max(1, resp), gen_per_fwd_unpacked=gen / max(1, fwd[0]),
+                                  gen_per_fwd_packed=gen / max(1, fwd[1])))
+            if mode == "batch":  # the default's samples train in the update timing below
+                kept_by_step.append(G.advantages(kept, G.Scheme.of(cfg), step)[0])
+    model0 = M.load_model(base)
+    secs = {False: [], True: []}
+    for _ in range(repeats):  # interleaved, so load changes hit both alike
+        for samples in kept_by_step:
+            for pack in (False, True):
+                m = copy.deepcopy(model0)
+                opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
+                t0 = time.perf_counter()
+                T.update_policy(m, opt, samples, {**cfg, "pack": pack, "split": "groups" if pack else "strided"}, 1,
+                                torch.device("cpu"))
+                secs[pack].append(time.perf_counter() - t0)
+    out = {"bench": f"DAPO's refill on the CPU default (tiny base, compact Plan-Path, 16 envs, K=4, T=4, "
+                    f"--dynamic_sampling 3): {steps} steps, medians"}
+    for mode, rows in per.items():
+        for k in rows[0]:
+            out[f"{mode}_{k}"] = statistics.median(r[k] for r in rows)
+    out["update_s_unpacked"] = statistics.median(secs[False])
+    out["update_s_packed"] = statistics.median(secs[True])
+    out["packed_over_unpacked"] = out["update_s_packed"] / out["update_s_unpacked"]
+    print(json.dumps(out))
+
+
 def bench_gpu(parts="parity,step,update"):
     """CUDA only (`python bench.py gpu [parity,step,update]`). (1) parity: bf16 forward of our Qwen3 and of
     transformers, each against transformers in fp32, on a 4-layer 1.7B-shaped random model, and a control with a planted
@@ -430,7 +490,7 @@ if __name__ == "__main__":
         bench_gpu(sys.argv[2])
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
-                   "train": bench_train, "gpu": bench_gpu}
+                   "train": bench_train, "refill": bench_refill, "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

@@ -252,10 +252,6 @@ def check_model(cfg):
                          "allows one sleep-mode engine per process (one CuMem allocator): give every "
                          "role the same base (--policies per_role trains a model per role on it), or "
                          "use --engine torch")
-    if cfg["pack"] and torch.cuda.is_available() and not tiny_run:
-        # flex attention and its block mask compile again for every packed row length (docs/gpu.md)
-        raise SystemExit("--pack true is for CPU and the tiny model for now: on CUDA flex attention "
-                         "recompiles for every packed row length: drop --pack")
     named = cfg["model"] in M.SIZES and not os.path.exists(cfg["model"])
     if cfg["model"] and not named and not os.path.isfile(os.path.join(cfg["model"], "config.json")):
         raise SystemExit(f"--model {cfg['model']!r} is not a Hugging Face model folder (no "

@@ -401,18 +401,57 @@ def split_minibatches(samples, n_mini, how):
     return chunks
 
 
-def micro_batches(rows, budget, all_max=lambda n: n):
+BLOCK = 128  # flex attention's block: a packed row on CUDA is whole blocks long
+
+
+def bucket_length(n):
+    """The padded length of a packed flex row of n tokens: whole 128-blocks, the block count rounded
+    up to 4 values per octave (1-8 blocks, then 10 12 14 16, 20 24 28 32, ...): at most 25% padding,
+    and 24 lengths in all up to 16k tokens. Flex attention and its block mask compile once per
+    shape, so a bounded set of lengths compiles a bounded number of times; torchtitan gets there by
+    packing every row to one fixed seq_len (torchtitan `torchtitan/models/attention.py`, its document
+    mask), which a sibling group of 1k-10k tokens cannot use without splitting it."""
+    blocks = -(-n // BLOCK)
+    step = 1 if blocks <= 8 else 2 ** (blocks.bit_length() - 3)  # keep the top 3 bits
+    return -(-blocks // step) * step * BLOCK
+
+
+def flex_shapes(budget, longest):
+    """Every micro-batch shape (B, T) that micro_batches(..., bucket=True) and collate can make for
+    rows up to `longest` tokens: T a bucket length, B a power of two with B x T within the budget
+    (a row over the budget goes alone). Its size bounds the compiles (model.FLEX_RECOMPILE_LIMIT)."""
+    out = set()
+    for T in {bucket_length(n) for n in range(1, longest + 1, BLOCK)} | {bucket_length(longest)}:
+        B = 1
+        while B == 1 or B * T <= budget:
+            out.add((B, T))
+            B *= 2
+    return out
+
+
+def micro_batches(rows, budget, all_max=lambda n: n, bucket=False):
     """Greedy packing of rows by padded token count, longest first; then padded with zero-weight
     DUMMY micro-batches to the most any rank has (`all_max` over ranks): every rank runs the same
-    number of FSDP forwards."""
+    number of FSDP forwards. `bucket` (packed rows on CUDA): a row counts at its bucket_length and a
+    micro-batch of n rows is cut into powers of two (6 -> 4 + 2), so the shapes (B, T) flex
+    compiles for are a small set (flex_shapes), whatever the lengths."""
+    padded = bucket_length if bucket else int  # int: a row counts at its own length
     rows = sorted(rows, key=lambda r: -len(r.ids))
     out, cur = [], []
     for r in rows:
-        if cur and (len(cur) + 1) * len(cur[0].ids) > budget:
+        if cur and (len(cur) + 1) * padded(len(cur[0].ids)) > budget:
             out.append(cur)
             cur = []
         cur.append(r)
     out += [cur] if cur else []
+    if bucket:
+        cut = []
+        for mb in out:
+            while mb:
+                n = 2 ** (len(mb).bit_length() - 1)
+                cut.append(mb[:n])
+                mb = mb[n:]
+        out = cut
     return out + [[DUMMY]] * (all_max(len(out)) - len(out))
 
 
@@ -436,9 +475,10 @@ class Batch:
 def _block_mask_builder(compiled):
     """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T
     grid; compiled, it works block by block (torchtitan `torchtitan/models/attention.py` compiles it
-    for the same reason). CPU tests run it eagerly."""
+    for the same reason). CPU tests run it eagerly. Static shapes: one compile per bucketed shape
+    (bucket_length), like model.flex, under the recompile limit model.flex raises."""
     from torch.nn.attention.flex_attention import create_block_mask
-    return torch.compile(create_block_mask) if compiled else create_block_mask
+    return torch.compile(create_block_mask, dynamic=False) if compiled else create_block_mask
 
 
 def packed_mask(seg, device, flex):
@@ -462,14 +502,21 @@ def packed_mask(seg, device, flex):
     return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
 
 
+def batch_shape(mb, flex):
+    """(B, T) of a collated micro-batch: its longest row, and with flex its bucket_length (whole
+    128-blocks also because below 128 query rows torch 2.11 lowers flex to its decoding kernel,
+    which has no config for a GQA training batch on an H100)."""
+    T = max(len(r.ids) for r in mb)
+    return len(mb), bucket_length(T) if flex else T
+
+
 def collate(mb, device, flex=None):
     """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row
     is packed (`packed_mask`)."""
-    B, T, N = len(mb), max(len(r.ids) for r in mb), max(len(r.tgt) for r in mb)
     packed = any(max(r.seg) > 1 for r in mb)
     flex = packed and (device.type == "cuda" if flex is None else flex)
-    if flex:  # whole 128-blocks: below 128 query rows torch 2.11 lowers flex to its decoding kernel,
-        T = -(-T // 128) * 128  # which has no config for a GQA training batch (H100)
+    B, T = batch_shape(mb, flex)
+    N = max(len(r.tgt) for r in mb)
     ids = torch.zeros(B, T, dtype=torch.long)
     pos = torch.zeros(B, T, dtype=torch.long)
     seg = torch.full((B, T), -1)

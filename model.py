@@ -183,6 +183,10 @@ class Attention(nn.Module):
 
 
 _FLEX = {}
+# compiles flex may make per call site: grpo_mas.flex_shapes(16384, 32768) has 91 micro-batch shapes,
+# each compiled with and without grad (the pi_old pass): Dynamo's default of 8 would send the rest to
+# eager flex, which builds the T x T scores (out of memory at real lengths)
+FLEX_RECOMPILE_LIMIT = 192
 
 
 def flex(q, k, v, **kw):
@@ -190,9 +194,16 @@ def flex(q, k, v, **kw):
     masked-out blocks of a packed row (the siblings' blocks) and never builds a dense mask; eager
     flex is a slow reference and has no backward on CPU, so the CPU path trains with SDPA and a
     dense mask and tests use this forward only. (torchtitan `torchtitan/models/attention.py` also
-    compiles flex_attention once and reuses it for every layer.)"""
+    compiles flex_attention once and reuses it for every layer.) Static shapes (dynamic=False):
+    packed rows come in bucketed lengths (grpo_mas.bucket_length), one kernel each, and Dynamo never
+    switches to a symbolic-length kernel."""
     if q.device.type not in _FLEX:
-        _FLEX[q.device.type] = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
+        if q.device.type == "cuda":
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       FLEX_RECOMPILE_LIMIT)
+            _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        else:
+            _FLEX[q.device.type] = flex_attention
     return _FLEX[q.device.type](q, k, v, **kw)
 
 

@@ -838,8 +838,8 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match="one sleep-mode engine per process"):
         T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}"])
     T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}", "--engine", "torch"])  # the torch engine is fine
-    with pytest.raises(SystemExit, match="--pack true is for CPU and the tiny model"):  # flex recompiles per length
-        T.configure(["--model", tiny_dir, "--pack", "true"])
+    # packed rows compile flex once per bucketed shape (grpo_mas.bucket_length): a real model may pack on CUDA
+    assert T.configure(["--model", tiny_dir, "--pack", "true"])["pack"]
     T.configure(["--pack", "true"])  # the tiny model's packed run trained on an H100 (docs/gpu.md)
     # --dry_run states the optimizer steps the recipe implies (the reference's rule)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -2834,6 +2834,107 @@ def test_packed_flex_mask_equals_dense_mask_cuda(shape):
     _packed_flex_vs_dense("cuda", grad=True, shape=shape)
 
 
+def _one_packed_row(length, vocab=101, seed=0):
+    """Samples that pack into one row of `length` tokens: a prompt of half of it and two siblings."""
+    from rollout import Sample
+    g = random.Random(seed)
+    p = length // 2
+    n1 = (length - p) // 2 + 1
+    n2 = length - p - (n1 - 1) + 1
+    prompt = [g.randrange(vocab) for _ in range(p)]
+    return [Sample(0, 0, "plan", 0, 0, list(prompt), [g.randrange(vocab) for _ in range(n)],
+                   [g.uniform(-3, 0) for _ in range(n)], 0.0, adv=g.uniform(-2, 2)) for n in (n1, n2)]
+
+
+def test_packed_row_lengths_bucket_to_few_shapes():
+    """On CUDA flex attention compiles once per micro-batch shape (B, T), so packed rows are padded to a bucketed
+    length (whole 128-blocks, 4 lengths per octave) and a micro-batch holds a power-of-two count of rows: the paper's
+    spread of lengths (prompts 512-1536 tokens, K=4 responses of 128-2048) compiles a few shapes, not one per length;
+    padding stays under 25% plus a block; every micro-batch keeps its token budget; the shapes any run can make fit
+    under the recompile limit model.flex sets."""
+    from rollout import Sample
+    assert [G.bucket_length(n) for n in (1, 128, 129, 1024, 1025, 1153, 1281)] == [128, 128, 256, 1024, 1280, 1280,
+                                                                                   1536]
+    for n in range(1, 40000, 7):
+        b = G.bucket_length(n)
+        assert b % 128 == 0 and n <= b <= 1.25 * n + 128
+    assert len({G.bucket_length(n) for n in range(1, 16385)}) == 24  # 8 below 1024, then 4 per octave
+    budget, rng = 16384, random.Random(0)
+    OLD = {50: 16, 400: 42}  # measured: the old shapes grow with the data; bucketed: 8 and 12
+
+    def rows_of(n_groups):
+        samples = []
+        for g in range(n_groups):
+            prompt = [g] + [1] * (rng.randint(512, 1536) - 1)  # one prompt per group
+            for _ in range(4):
+                n = rng.randint(128, 2048)
+                samples.append(Sample(0, g, "plan", 0, 0, prompt, [2] * n, [0.0] * n, 0.0, adv=1.0))
+        return G.make_rows(samples, True)
+    for n_groups in (50, 400):
+        rows = rows_of(n_groups)
+        mbs = G.micro_batches(rows, budget, bucket=True)
+        assert sorted(id(r) for mb in mbs for r in mb) == sorted(id(r) for r in rows)
+        shapes = set()
+        for mb in mbs:
+            B, T = G.batch_shape(mb, flex=True)
+            longest = max(len(r.ids) for r in mb)
+            assert B == len(mb) and B & (B - 1) == 0 and T == G.bucket_length(longest)
+            assert B * T <= budget or B == 1
+            shapes.add((B, T))
+        # the old code: each micro-batch's longest row to the next 128-block, any count of rows
+        old = {(len(mb), -(-max(len(r.ids) for r in mb) // 128) * 128) for mb in G.micro_batches(rows, budget)}
+        assert len(old) >= OLD[n_groups] and len(shapes) <= 12
+        assert shapes <= G.flex_shapes(budget, 2 * budget)
+    assert 2 * len(G.flex_shapes(budget, 2 * budget)) <= M.FLEX_RECOMPILE_LIMIT  # with and without grad
+
+
+def test_packed_flex_at_bucketed_length_equals_unpacked():
+    """A packed row padded to its bucket (1296 tokens -> 1536, past the next 128-block, 1408) gives every response token
+    the log-prob of its sample's own unpacked row (plain causal SDPA), fp32 <= 1e-5: the flex block mask (eager on
+    CPU) and the bucket's padding change nothing."""
+    import train as T
+    torch.manual_seed(5)
+    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    m = M.Qwen3(mc)
+    m.init_weights(0.05)
+    samples = _one_packed_row(1296, mc.vocab_size)
+    packed, plain = G.make_rows(samples, True), G.make_rows(samples, False)
+    assert len(packed) == 1 and len(packed[0].ids) == 1296
+    cpu = torch.device("cpu")
+    b = G.collate(packed, cpu, flex=True)
+    assert type(b.attn).__name__ == "BlockMask" and b.ids.shape == (1, 1536)
+    with torch.no_grad():
+        lp = T.row_logprobs(m, b)[0, :len(packed[0].tgt)]
+        ref = T.row_logprobs(m, G.collate(plain, cpu))
+    ref = torch.cat([ref[j, :len(r.tgt)] for j, r in enumerate(plain)])
+    assert lp.shape == ref.shape and (lp - ref).abs().max().item() <= 1e-5
+
+
+@needs_cuda
+def test_packed_flex_compiles_once_per_bucket_cuda():
+    """Packed rows of new lengths that fall in buckets already seen compile nothing more (torch._dynamo's unique-graph
+    counter, flex attention and its block mask, forward and backward). The old code padded to the next 128-block and
+    so compiled again for 1200 after 1100 and 2000 after 1900; past Dynamo's recompile limit (8) it ran flex eagerly
+    (T x T scores: out of memory at real lengths)."""
+    import train as T
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    m = M.Qwen3(mc).cuda()
+    m.init_weights(0.05)
+
+    def step(length):
+        b = G.collate(G.make_rows(_one_packed_row(length, mc.vocab_size), True), torch.device("cuda"), flex=True)
+        (T.row_logprobs(m, b) * b.w).sum().backward()
+        return tuple(b.ids.shape)
+    counters.clear()
+    seen = {step(n) for n in (300, 700, 1100, 1900)}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, dict(counters["stats"])
+    again = {step(n) for n in (330, 650, 1200, 2000)}
+    assert again == seen and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+
+
 def test_minibatch_splits():
     """strided: sample i -> mini-batch i mod n (a tree group's siblings spread out, every mini-batch sees every env);
     groups: each sibling group whole in one mini-batch, dealt round-robin. --pack needs groups."""
@@ -2856,27 +2957,37 @@ def test_minibatch_splits():
 
 @pytest.mark.parametrize("n_mini", [1, 3])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
-def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef):
+def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef, monkeypatch):
     """A whole update_policy (with 3 mini-batches: three optimizer steps and a recomputed pi_old) lands on the same
     weights packed or not, given the same mini-batch split (--split groups: sibling groups stay together); with the
-    entropy bonus too (each packed token's entropy must be its own sample's)."""
+    entropy bonus too (each packed token's entropy must be its own sample's). With 3 mini-batches also packed with
+    CUDA's micro-batches (bucketed lengths, power-of-two row counts; dense attention here): the same weights."""
     import train as T
     samples = _sibling_groups(5, n_groups=7)
     out = []
-    for pack in (False, True):
+    for pack, bucket in ((False, False), (True, False)) + (((True, True),) if n_mini == 3 else ()):
         m = M.load_model(tiny_dir)
         cfg = T.configure([])
-        cfg.update(minibatches=n_mini, micro_batch_tokens=60, temperature=1.0, pack=pack, tis_cap=2.0, split="groups",
-                   entropy_coef=entropy_coef)
+        cfg.update(minibatches=n_mini, micro_batch_tokens=512 if bucket else 60, temperature=1.0, pack=pack,
+                   tis_cap=2.0, split="groups", entropy_coef=entropy_coef)
+        sizes = []
+
+        def micro_batches(rows, budget, all_max, bucketed=bucket, **_):  # CPU: train.py buckets on CUDA only
+            mbs = G.micro_batches(rows, budget, all_max, bucket=bucketed)
+            sizes.extend(len(mb) for mb in mbs)
+            return mbs
+        monkeypatch.setattr(T, "micro_batches", micro_batches)
         st = T.update_policy(m, torch.optim.SGD(m.parameters(), lr=1.0), samples, cfg, 1, torch.device("cpu"))
         out.append((st, dict(m.named_parameters())))
-    (a, wa), (b, wb) = out
-    assert abs(a.loss - b.loss) < 1e-6 and a.tokens == b.tokens and b.trained_tokens < a.trained_tokens
-    assert abs(a.entropy_sum - b.entropy_sum) < 1e-4 * max(1.0, a.entropy_sum) and (a.entropy_sum > 0) == (
-        entropy_coef > 0
-    )
-    for k in wa:
-        assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
+        assert not bucket or (max(sizes) > 1 and all(n & (n - 1) == 0 for n in sizes))  # several rows, cut in 2^k
+    (a, wa) = out[0]
+    for b, wb in out[1:]:
+        assert abs(a.loss - b.loss) < 1e-6 and a.tokens == b.tokens and b.trained_tokens < a.trained_tokens
+        assert abs(a.entropy_sum - b.entropy_sum) < 1e-4 * max(1.0, a.entropy_sum) and (a.entropy_sum > 0) == (
+            entropy_coef > 0
+        )
+        for k in wa:
+            assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
 
 
 # -----------------------------------------------------------------------------

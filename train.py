@@ -249,13 +249,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         rows_per_rank = max(1, cfg["mini_batch_rows"] // world)
         n_mini = C.all_max(max(1, math.ceil(len(samples) / rows_per_rank)))
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
+    flex = cfg["pack"] and device.type == "cuda"  # flex attention at bucketed shapes (bucket_length)
     stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
     if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
         with torch.no_grad():
             for chunk in chunks:
-                for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
+                for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
                     # FSDP2 computes in bf16 on GPU
-                    logps = row_logprobs(model, collate(mb, device))
+                    logps = row_logprobs(model, collate(mb, device, flex))
                     for row, logp in zip(mb, logps):
                         if row is not DUMMY:
                             row.old = logp[:len(row.tgt)]
@@ -264,8 +265,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         n_tokens = C.all_sum([float(sum(len(r.tgt) for r in chunk))])[0]
         if n_tokens == 0:
             continue
-        for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max):
-            b = collate(mb, device)
+        for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
+            b = collate(mb, device, flex)
             entropy = None
             if cfg["entropy_coef"]:
                 logp, entropy = row_logprobs(model, b, entropy=True)
