@@ -303,8 +303,7 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 
 def lr_factor(cfg, step):
     """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last
-    --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay without the
-    warmup)."""
+    --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay, no warmup)."""
     start = round(cfg["steps"] * (1 - cfg["lr_decay"]))
     if not cfg["lr_decay"] or step < start:
         return 1.0
