@@ -334,7 +334,7 @@ def open_run(cfg, pols, master):
                   f"trained, metrics.jsonl keeps its first {start.metrics_lines} lines)", flush=True)
     STOP.out_dir = out
     if master:
-        if cfg.get("overwrite") and not cfg["resume"]:
+        if cfg["overwrite"] and not cfg["resume"]:
             for d in (ckpt, ckpt + ".tmp", ckpt + ".old"):
                 shutil.rmtree(d, ignore_errors=True)
         os.makedirs(out, exist_ok=True)
@@ -363,7 +363,7 @@ def check_run_folder(cfg):
 def refuse_existing_run(cfg):
     """A fresh run into a folder that holds a run (metrics or a checkpoint) would replace it: refused,
     with both ways on, unless --overwrite true asks for exactly that (docs/design.md, "Run folders")."""
-    if cfg["resume"] or cfg.get("overwrite"):
+    if cfg["resume"] or cfg["overwrite"]:
         return
     out = cfg["out_dir"]
     metrics = os.path.join(out, "metrics.jsonl")

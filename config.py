@@ -274,8 +274,8 @@ def check_model(cfg):
 
 
 def check_out_dir(cfg):
-    """The run folder can be written, the stop step lies in the run, a resume has its checkpoint,
-    and --wandb has its package."""
+    """The run folder can be written, the stop step lies in the run, and --wandb has its package
+    (what a resume needs: common.check_resume)."""
     if cfg["wandb"] and importlib.util.find_spec("wandb") is None:
         raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
     if not 0 <= cfg["stop_step"] <= cfg["steps"]:
@@ -289,8 +289,6 @@ def check_out_dir(cfg):
         raise SystemExit(f"--out_dir {out!r}: {parent!r} is a file, not a folder: name another --out_dir")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise SystemExit(f"--out_dir {out!r}: {parent!r} is not writable: name a folder you can write")
-    if cfg["resume"] and not os.path.exists(os.path.join(out, "ckpt", "state.pt")):
-        raise SystemExit(f"--resume: no checkpoint in {os.path.join(out, 'ckpt')!r}")
 
 
 def existing_parent(path):
