@@ -170,10 +170,18 @@ def bench_env():
     )
 
 
+# bench_train's update layouts: (rows, mini-batch split, optimizer steps per rollout batch)
+TRAIN_LAYOUTS = {
+    "unpacked, strided, 4": dict(pack=False, split="strided", minibatches=4),
+    "packed, groups, 4": dict(pack=True, split="groups", minibatches=4),
+    "packed, 1": dict(pack=True, split="groups", minibatches=1),
+}
+
+
 def bench_train(n_rollouts=3, repeats=5):
     """Trained tokens and update seconds per step on the CPU default's real rollouts (the tiny base model, compact
-    Plan-Path, 16 envs, K = 4, T = 4, the default's 4 PPO mini-batches), packed vs one row per sample. The same
-    rollouts and starting weights for both, interleaved, medians."""
+    Plan-Path, 16 envs, K = 4, T = 4) in each update layout of TRAIN_LAYOUTS. The same rollouts and starting
+    weights for all, interleaved, medians; ratios against one row per sample in 4 strided mini-batches."""
     import copy
     import random
     import envs as E
@@ -206,36 +214,33 @@ def bench_train(n_rollouts=3, repeats=5):
         )
         rollouts.append(compute_advantages(samples, "at_grpo")[0])
     model0 = M.load_model(base)
-    res = {True: [], False: []}
-    toks = {}
+    secs = {name: [] for name in TRAIN_LAYOUTS}
+    toks = {name: [] for name in TRAIN_LAYOUTS}
     for _ in range(repeats):
-        for pack in (False, True):
+        for name, layout in TRAIN_LAYOUTS.items():
             for samples in rollouts:
                 m = copy.deepcopy(model0)
                 opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
                 t0 = time.perf_counter()
-                st = T.update_policy(
-                    m,
-                    opt,
-                    samples,
-                    {**cfg, "pack": pack, "split": "groups" if pack else "strided"},
-                    1,
-                    torch.device("cpu"),
-                )
-                res[pack].append(time.perf_counter() - t0)
-                toks.setdefault(pack, []).append(st.trained_tokens)
+                st = T.update_policy(m, opt, samples, {**cfg, **layout}, 1, torch.device("cpu"))
+                secs[name].append(time.perf_counter() - t0)
+                toks[name].append(st.trained_tokens)
+    base_s = statistics.median(secs["unpacked, strided, 4"])
     print(
         json.dumps(
             {
                 "bench": f"update of the CPU default on {n_rollouts} real rollouts (tiny base, compact Plan-Path, "
-                f"16 envs, K=4, T=4, 4 mini-batches), {repeats} interleaved repeats, medians",
+                f"16 envs, K=4, T=4), {repeats} interleaved repeats, medians",
                 "samples_per_step": statistics.median(len(s) for s in rollouts),
                 "response_tokens_per_step": statistics.median(sum(len(x.response_ids) for x in s) for s in rollouts),
-                "trained_tokens_unpacked": statistics.median(toks[False]),
-                "trained_tokens_packed": statistics.median(toks[True]),
-                "update_s_unpacked": statistics.median(res[False]),
-                "update_s_packed": statistics.median(res[True]),
-                "packed_over_unpacked": statistics.median(res[True]) / statistics.median(res[False]),
+                "layouts": {
+                    name: {
+                        "trained_tokens": statistics.median(toks[name]),
+                        "update_s": statistics.median(secs[name]),
+                        "over_unpacked_strided_4": statistics.median(secs[name]) / base_s,
+                    }
+                    for name in TRAIN_LAYOUTS
+                },
             }
         )
     )
