@@ -4040,6 +4040,21 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
     assert "dynamic_sampling" not in config.config_line(T.configure(["--task", "sokoban"]), T.PRESETS)
 
 
+def test_the_plan_default_trains_each_prompt_once():
+    """The tiny Plan-Path default packs each sibling group into one row (its prompt once) in mini-batches of whole
+    groups, with the cosine over 150 steps (chosen on seeds 40-49, reported on 100-109: docs/results.md);
+    `--pack false` is the earlier layout (one row per sample, the strided split); the other tiny tasks stay unpacked."""
+    import train as T
+    plan = T.configure([])
+    assert plan["pack"] and plan["split"] == "groups" and plan["steps"] == 150
+    assert plan["lr"] == 5e-4 and plan["lr_decay"] == 1.0 and plan["minibatches"] == 4
+    before = T.configure(["--pack", "false"])
+    assert not before["pack"] and before["split"] == "strided" and before["steps"] == 150
+    for task in ("sokoban", "sudoku", "search", "math"):
+        assert not T.configure(["--task", task])["pack"]
+    assert "pack True" in config.config_line(plan, T.PRESETS)
+
+
 def test_lr_schedule_matches_torch_schedulers():
     """--lr_decay D: constant for the first (1 - D) of --steps, then a half cosine to --lr_min x lr, checked step by
     step against torch's own ConstantLR + CosineAnnealingLR chain (an independent implementation); 0 = constant."""
