@@ -23,6 +23,8 @@ CONFIGS = {  # name: extra flags of `python train.py --steps N --stop_step N --t
     "per_role": ["--policies", "per_role"],
     "lora": ["--policies", "lora"],
     "search": ["--task", "search"],
+    "sokoban": ["--task", "sokoban"],
+    "unpacked": ["--pack", "false"],  # Plan-Path in the layout before 2026-11-28 (--steps is set for every config)
 }
 TIMING = ("time", "eta")  # fields that are wall-clock; every t_* and mem_* field is one too
 
