@@ -174,11 +174,9 @@ PRESETS = {
     "paper-search": dict(turns=4, max_new_tokens=800, max_prompt_tokens=4096, max_model_len=4896,
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
-    # Plan-Path: DAPO's refill keeps the freezes off; sampling at 0.5, nearer the greedy
-    # answer that is scored, met the targets on more seeds; a sibling group trains as one
-    # row (its prompt once), the cosine over 150 steps (docs/results.md)
-    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5,
-                  "pack": True, "steps": 150},
+    # Plan-Path: DAPO's refill keeps freezes off; 0.5 samples near the scored greedy answer;
+    # a sibling group trains as one row (its prompt once), cosine over 150 (docs/results.md)
+    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True, "steps": 150},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
