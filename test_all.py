@@ -4151,7 +4151,7 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
         (["--refill", "missing", "--task", "sokoban"], "--refill missing sizes the refills of --dynamic_sampling"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
-        (["--stop_step", "300"], r"--stop_step 300 must lie in \[0, --steps 250\]"),
+        (["--stop_step", "200"], r"--stop_step 200 must lie in \[0, --steps 150\]"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
         (["--task", "sudoku", "--warmup_moves", "17"], r"--warmup_moves 17 must lie in \[1, 16\]"),
     ]:
