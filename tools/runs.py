@@ -98,9 +98,9 @@ def flag_defaults():
 
 
 def preset_keys():
-    """The values a preset sets, and those resolved from them (each role's sampling settings)."""
+    """The values a preset sets, and those resolved from them (each role's sampling settings, the split --pack sets)."""
     import train as T
-    return {k for p in T.PRESETS.values() for k in p} | {"role_sampling", "role_eval_sampling"}
+    return {k for p in T.PRESETS.values() for k in p} | {"role_sampling", "role_eval_sampling", "split"}
 
 
 def num(x, spec=".2f"):
