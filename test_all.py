@@ -5372,6 +5372,34 @@ def test_citations_point_into_the_project():
     assert not stale, "references to names their module does not define: %s" % sorted(set(stale))
 
 
+def test_doc_tables_are_well_formed():
+    """Every markdown table in the docs has one separator row, under its header, and as many cells in each row as
+    in the header (a second separator line once renders as a row of dashes where a seed's row had been)."""
+    import glob
+    import re
+    separator = re.compile(r"\|(\s*:?-+:?\s*\|)+")
+
+    def cells(row):  # bars not escaped as \|
+        return len(re.split(r"(?<!\\)\|", row)) - 2
+    bad = []
+    for path in glob.glob(os.path.join(HERE, "*.md")) + glob.glob(os.path.join(HERE, "docs", "*.md")):
+        tables, fenced = [[]], False
+        for number, line in enumerate(open(path).read().split("\n"), 1):
+            fenced ^= line.startswith("```")
+            if fenced or not line.startswith("|"):
+                tables.append([])
+            else:
+                tables[-1].append((f"{os.path.relpath(path, HERE)}:{number}", line.strip()))
+        for table in [t for t in tables if t]:
+            rows = [line for _, line in table]
+            separators = [k for k, line in enumerate(rows) if separator.fullmatch(line)]
+            if separators != [1]:
+                bad.append(f"{table[0][0]}: separator rows at {separators}, want [1]")
+            bad += [f"{where}: {cells(line)} cells, header {cells(rows[0])}" for where, line in table
+                    if cells(line) != cells(rows[0])]
+    assert not bad, bad
+
+
 def test_lint_is_clean():
     """ruff (pyflakes and pycodestyle's errors and warnings, ruff.toml) finds nothing in the project: an unused
     import, an undefined name or a missing blank line before a def fails here, in the README's test command."""
