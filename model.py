@@ -174,7 +174,7 @@ class Attention(nn.Module):
         # right-padded training batch: causal alone is right, pads only follow real tokens
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        # packed rows on CUDA (grpo_mas.collate): the block structure, no dense T x T mask
+        # packed rows on CUDA (batching.collate): the block structure, no dense T x T mask
         elif isinstance(mask, BlockMask):
             y = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
@@ -183,7 +183,7 @@ class Attention(nn.Module):
 
 
 _FLEX = {}
-# compiles flex may make per call site: grpo_mas.flex_shapes(16384, 32768) has 91 micro-batch shapes,
+# compiles flex may make per call site: batching.flex_shapes(16384, 32768) has 91 micro-batch shapes,
 # each compiled with and without grad (the pi_old pass): Dynamo's default of 8 would send the rest to
 # eager flex, which builds the T x T scores (out of memory at real lengths)
 FLEX_RECOMPILE_LIMIT = 192
@@ -195,7 +195,7 @@ def flex(q, k, v, **kw):
     flex is a slow reference and has no backward on CPU, so the CPU path trains with SDPA and a
     dense mask and tests use this forward only. (torchtitan `torchtitan/models/attention.py` also
     compiles flex_attention once and reuses it for every layer.) Static shapes (dynamic=False):
-    packed rows come in bucketed lengths (grpo_mas.bucket_length), one kernel each, and Dynamo never
+    packed rows come in bucketed lengths (batching.bucket_length), one kernel each, and Dynamo never
     switches to a symbolic-length kernel."""
     if q.device.type not in _FLEX:
         if q.device.type == "cuda":

@@ -838,7 +838,7 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     with pytest.raises(SystemExit, match="one sleep-mode engine per process"):
         T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}"])
     T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}", "--engine", "torch"])  # the torch engine is fine
-    # packed rows compile flex once per bucketed shape (grpo_mas.bucket_length): a real model may pack on CUDA
+    # packed rows compile flex once per bucketed shape (batching.bucket_length): a real model may pack on CUDA
     assert T.configure(["--model", tiny_dir, "--pack", "true"])["pack"]
     T.configure(["--pack", "true"])  # the tiny model's packed run trained on an H100 (docs/gpu.md)
     # --dry_run states the optimizer steps the recipe implies (the reference's rule)
@@ -2254,6 +2254,7 @@ def test_math_checker_without_math_verify_stops_with_the_fix(tmp_path):
 # -----------------------------------------------------------------------------
 # [grpo_mas] grpo_mas.py: keys, advantages, filter, loss against hand-computed values
 
+import batching  # noqa: E402
 import grpo_mas as G  # noqa: E402
 from rollout import Sample  # noqa: E402
 
@@ -2700,8 +2701,8 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
     def grads(groups, world):
         m.zero_grad()
         for mb in groups:
-            b = G.collate(mb, torch.device("cpu"))
-            if mb[0] is G.DUMMY:
+            b = batching.collate(mb, torch.device("cpu"))
+            if mb[0] is batching.DUMMY:
                 b.w.zero_()
             lp = T.row_logprobs(m, b)
             loss, _ = G.ppo_loss(lp, lp.detach() - 0.1, b.adv, b.w, n_tok)
@@ -2709,7 +2710,7 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
         return [p.grad.clone() for p in m.parameters()]
     one = grads([rows], 1)
     three = grads([rows[:2], rows[2:3], rows[3:]], 1)
-    ranks = grads([rows[:4], [G.DUMMY], rows[4:]], 2)  # uneven ranks, padded with a zero-weight micro-batch
+    ranks = grads([rows[:4], [batching.DUMMY], rows[4:]], 2)  # uneven ranks, padded with a zero-weight micro-batch
     for a, b, c in zip(one, three, ranks):
         assert (a - b).abs().max() < 1e-6 and (a - c).abs().max() < 1e-6
 
@@ -2746,7 +2747,7 @@ def test_packed_rows_equal_per_sample_rows(seed):
     assert len(packed) < len(plain) and sum(len(r.ids) for r in packed) < sum(len(r.ids) for r in plain)
 
     def per_sample_lp(rows):  # concatenated target log-probs in sample order
-        b = G.collate(rows, torch.device("cpu"))
+        b = batching.collate(rows, torch.device("cpu"))
         lp = T.row_logprobs(m, b)
         return torch.cat([lp[j, :len(r.tgt)] for j, r in enumerate(rows)])
     with torch.no_grad():
@@ -2756,7 +2757,7 @@ def test_packed_rows_equal_per_sample_rows(seed):
     grads = []
     for rows in (plain, packed):
         m.zero_grad()
-        bt = G.collate(rows, torch.device("cpu"))
+        bt = batching.collate(rows, torch.device("cpu"))
         lp = T.row_logprobs(m, bt)
         loss, _ = G.ppo_loss(lp, lp.detach() + 0.05, bt.adv, bt.w, float(bt.w.sum()), sampler_logp=bt.slp, tis_cap=2.0)
         loss.backward()
@@ -2772,8 +2773,8 @@ def test_packed_rows_equal_per_sample_rows(seed):
         if sg == k:
             changed.ids[j] = (changed.ids[j] + 7) % min(250, mc.vocab_size)
     with torch.no_grad():
-        lp0 = T.row_logprobs(m, G.collate([grp], torch.device("cpu")))[0]
-        lp1 = T.row_logprobs(m, G.collate([changed], torch.device("cpu")))[0]
+        lp0 = T.row_logprobs(m, batching.collate([grp], torch.device("cpu")))[0]
+        lp1 = T.row_logprobs(m, batching.collate([changed], torch.device("cpu")))[0]
     sizes = [grp.seg.count(s) + 1 for s in range(1, max(grp.seg) + 1)]  # targets per sibling, in order
     lo = sum(sizes[:k - 1])
     others = torch.ones(len(grp.tgt), dtype=torch.bool)
@@ -2792,7 +2793,7 @@ def _packed_flex_vs_dense(device, grad, shape=PARITY_CONFIGS[1]):
     rows = G.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True)
     out = []
     for flex in (False, True):
-        b = G.collate(rows, torch.device(device), flex=flex)
+        b = batching.collate(rows, torch.device(device), flex=flex)
         assert (type(b.attn).__name__ == "BlockMask") == flex
         m.zero_grad()
         with torch.set_grad_enabled(grad):
@@ -2814,7 +2815,7 @@ def test_packed_flex_mask_equals_dense_mask_cpu_forward():
     # carries them only with --pack
     import memory
     seg = torch.tensor([[0] * 300 + [1] * 200 + [2] * 250 + [3] * 250])
-    bm = G.packed_mask(seg, "cpu", True)
+    bm = batching.packed_mask(seg, "cpu", True)
     assert sum(
         t.numel() * t.element_size() for t in bm.as_tuple() if isinstance(t, torch.Tensor)
     ) == memory.block_mask_bytes(1000)
@@ -2853,12 +2854,12 @@ def test_packed_row_lengths_bucket_to_few_shapes():
     padding stays under 25% plus a block; every micro-batch keeps its token budget; the shapes any run can make fit
     under the recompile limit model.flex sets."""
     from rollout import Sample
-    assert [G.bucket_length(n) for n in (1, 128, 129, 1024, 1025, 1153, 1281)] == [128, 128, 256, 1024, 1280, 1280,
-                                                                                   1536]
+    lengths = [batching.bucket_length(n) for n in (1, 128, 129, 1024, 1025, 1153, 1281)]
+    assert lengths == [128, 128, 256, 1024, 1280, 1280, 1536]
     for n in range(1, 40000, 7):
-        b = G.bucket_length(n)
+        b = batching.bucket_length(n)
         assert b % 128 == 0 and n <= b <= 1.25 * n + 128
-    assert len({G.bucket_length(n) for n in range(1, 16385)}) == 24  # 8 below 1024, then 4 per octave
+    assert len({batching.bucket_length(n) for n in range(1, 16385)}) == 24  # 8 below 1024, then 4 per octave
     budget, rng = 16384, random.Random(0)
     OLD = {50: 16, 400: 42}  # measured: the old shapes grow with the data; bucketed: 8 and 12
 
@@ -2872,20 +2873,20 @@ def test_packed_row_lengths_bucket_to_few_shapes():
         return G.make_rows(samples, True)
     for n_groups in (50, 400):
         rows = rows_of(n_groups)
-        mbs = G.micro_batches(rows, budget, bucket=True)
+        mbs = batching.micro_batches(rows, budget, bucket=True)
         assert sorted(id(r) for mb in mbs for r in mb) == sorted(id(r) for r in rows)
         shapes = set()
         for mb in mbs:
-            B, T = G.batch_shape(mb, flex=True)
+            B, T = batching.batch_shape(mb, flex=True)
             longest = max(len(r.ids) for r in mb)
-            assert B == len(mb) and B & (B - 1) == 0 and T == G.bucket_length(longest)
+            assert B == len(mb) and B & (B - 1) == 0 and T == batching.bucket_length(longest)
             assert B * T <= budget or B == 1
             shapes.add((B, T))
         # the old code: each micro-batch's longest row to the next 128-block, any count of rows
-        old = {(len(mb), -(-max(len(r.ids) for r in mb) // 128) * 128) for mb in G.micro_batches(rows, budget)}
+        old = {(len(mb), -(-max(len(r.ids) for r in mb) // 128) * 128) for mb in batching.micro_batches(rows, budget)}
         assert len(old) >= OLD[n_groups] and len(shapes) <= 12
-        assert shapes <= G.flex_shapes(budget, 2 * budget)
-    assert 2 * len(G.flex_shapes(budget, 2 * budget)) <= M.FLEX_RECOMPILE_LIMIT  # with and without grad
+        assert shapes <= batching.flex_shapes(budget, 2 * budget)
+    assert 2 * len(batching.flex_shapes(budget, 2 * budget)) <= M.FLEX_RECOMPILE_LIMIT  # with and without grad
 
 
 def test_packed_flex_at_bucketed_length_equals_unpacked():
@@ -2901,11 +2902,11 @@ def test_packed_flex_at_bucketed_length_equals_unpacked():
     packed, plain = G.make_rows(samples, True), G.make_rows(samples, False)
     assert len(packed) == 1 and len(packed[0].ids) == 1296
     cpu = torch.device("cpu")
-    b = G.collate(packed, cpu, flex=True)
+    b = batching.collate(packed, cpu, flex=True)
     assert type(b.attn).__name__ == "BlockMask" and b.ids.shape == (1, 1536)
     with torch.no_grad():
         lp = T.row_logprobs(m, b)[0, :len(packed[0].tgt)]
-        ref = T.row_logprobs(m, G.collate(plain, cpu))
+        ref = T.row_logprobs(m, batching.collate(plain, cpu))
     ref = torch.cat([ref[j, :len(r.tgt)] for j, r in enumerate(plain)])
     assert lp.shape == ref.shape and (lp - ref).abs().max().item() <= 1e-5
 
@@ -2924,7 +2925,7 @@ def test_packed_flex_compiles_once_per_bucket_cuda():
     m.init_weights(0.05)
 
     def step(length):
-        b = G.collate(G.make_rows(_one_packed_row(length, mc.vocab_size), True), torch.device("cuda"), flex=True)
+        b = batching.collate(G.make_rows(_one_packed_row(length, mc.vocab_size), True), torch.device("cuda"), flex=True)
         (T.row_logprobs(m, b) * b.w).sum().backward()
         return tuple(b.ids.shape)
     counters.clear()
@@ -2973,7 +2974,7 @@ def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef, 
         sizes = []
 
         def micro_batches(rows, budget, all_max, bucketed=bucket, **_):  # CPU: train.py buckets on CUDA only
-            mbs = G.micro_batches(rows, budget, all_max, bucket=bucketed)
+            mbs = batching.micro_batches(rows, budget, all_max, bucket=bucketed)
             sizes.extend(len(mb) for mb in mbs)
             return mbs
         monkeypatch.setattr(T, "micro_batches", micro_batches)
@@ -3052,7 +3053,7 @@ def test_roles_of_one_policy_sample_and_train_at_their_own_temperatures(tiny_dir
     def gap(samples):
         rows = G.make_rows(samples, pack=False)
         with torch.no_grad():
-            lp = T.row_logprobs(m, G.collate(rows, torch.device("cpu")))
+            lp = T.row_logprobs(m, batching.collate(rows, torch.device("cpu")))
         return max((lp[j, :len(r.tgt)] - torch.tensor(r.slp)).abs().max().item() for j, r in enumerate(rows))
     assert gap(samples) < 1e-4
     for s in samples:
@@ -5322,8 +5323,8 @@ def test_citations_point_into_the_project():
     import ast
     import io
     import tokenize
-    modules = ["train", "grpo_mas", "rollout", "model", "envs", "engines", "policies", "common", "tiny", "scripted",
-               "eval", "memory", "judge", "sandbox", "retrieval", "bench", "config"]
+    modules = ["train", "grpo_mas", "batching", "rollout", "model", "envs", "engines", "policies", "common", "tiny",
+               "scripted", "eval", "memory", "judge", "sandbox", "retrieval", "bench", "config"]
     not_names = {"py", "json", "jsonl", "md", "txt", "png", "csv", "yaml", "toml", "sh", "log", "pt", "bin",
                  "safetensors"}  # file names: train.py, config.json, model.safetensors
     foreign = {"model.to", "model.layers",  # torch's Module.to on a variable; HF's parameter names (model.layers.0...)

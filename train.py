@@ -46,7 +46,8 @@ import policies as P
 import retrieval
 import sandbox
 import tiny
-from grpo_mas import DUMMY, collate, make_rows, micro_batches, ppo_loss, split_minibatches
+from batching import DUMMY, collate, micro_batches
+from grpo_mas import make_rows, ppo_loss, split_minibatches
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""
+The training batch's machinery: rows -> micro-batches by token budget -> padded tensors.
+
+grpo_mas.py lays samples out as rows (make_rows: plain, or a sibling group packed); this file
+cuts them into micro-batches that fit `--micro_batch_tokens`, pads every rank to the same
+number of FSDP forwards, and builds each micro-batch's tensors with the attention mask of
+packed rows: a dense bool mask for SDPA on CPU, a flex-attention BlockMask on CUDA at a bounded
+set of bucketed shapes (so flex compiles a bounded number of times). Imports torch only.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from grpo_mas import Row
+
+# a zero-weight row: keeps every rank's FSDP collectives in step
+DUMMY = Row(ids=[0, 0], pos=[0, 1], seg=[0, 0], sel=[0], tgt=[0], adv=[0.0], slp=[0.0], temp=[1.0])
+
+
+BLOCK = 128  # flex attention's block: a packed row on CUDA is whole blocks long
+
+
+def bucket_length(n):
+    """The padded length of a packed flex row of n tokens: whole 128-blocks, the block count rounded
+    up to 4 values per octave (1-8 blocks, then 10 12 14 16, 20 24 28 32, ...): at most 25% padding,
+    and 24 lengths in all up to 16k tokens. Flex attention and its block mask compile once per
+    shape, so a bounded set of lengths compiles a bounded number of times; torchtitan gets there by
+    packing every row to one fixed seq_len (torchtitan `torchtitan/models/attention.py`, its document
+    mask), which a sibling group of 1k-10k tokens cannot use without splitting it."""
+    blocks = -(-n // BLOCK)
+    step = 1 if blocks <= 8 else 2 ** (blocks.bit_length() - 3)  # keep the top 3 bits
+    return -(-blocks // step) * step * BLOCK
+
+
+def flex_shapes(budget, longest):
+    """Every micro-batch shape (B, T) that micro_batches(..., bucket=True) and collate can make for
+    rows up to `longest` tokens: T a bucket length, B a power of two with B x T within the budget
+    (a row over the budget goes alone). Its size bounds the compiles (model.FLEX_RECOMPILE_LIMIT)."""
+    out = set()
+    for T in {bucket_length(n) for n in range(1, longest + 1, BLOCK)} | {bucket_length(longest)}:
+        B = 1
+        while B == 1 or B * T <= budget:
+            out.add((B, T))
+            B *= 2
+    return out
+
+
+def micro_batches(rows, budget, all_max=lambda n: n, bucket=False):
+    """Greedy packing of rows by padded token count, longest first; then padded with zero-weight
+    DUMMY micro-batches to the most any rank has (`all_max` over ranks): every rank runs the same
+    number of FSDP forwards. `bucket` (packed rows on CUDA): a row counts at its bucket_length and a
+    micro-batch of n rows is cut into powers of two (6 -> 4 + 2), so the shapes (B, T) flex
+    compiles for are a small set (flex_shapes), whatever the lengths."""
+    padded = bucket_length if bucket else int  # int: a row counts at its own length
+    rows = sorted(rows, key=lambda r: -len(r.ids))
+    out, cur = [], []
+    for r in rows:
+        if cur and (len(cur) + 1) * padded(len(cur[0].ids)) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    out += [cur] if cur else []
+    if bucket:
+        cut = []
+        for mb in out:
+            while mb:
+                n = 2 ** (len(mb).bit_length() - 1)
+                cut.append(mb[:n])
+                mb = mb[n:]
+        out = cut
+    return out + [[DUMMY]] * (all_max(len(out)) - len(out))
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    pos: torch.Tensor
+    sel: torch.Tensor
+    # None (causal), a [B, 1, T, T] bool mask or a flex BlockMask (packed rows, packed_mask)
+    attn: object
+    tgt: torch.Tensor
+    w: torch.Tensor    # 1 for a real target, 0 for padding
+    adv: torch.Tensor
+    slp: torch.Tensor
+    temp: torch.Tensor  # each target's sampling temperature (the trainer divides its logits by it)
+    # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+    old: object
+
+
+@functools.cache
+def _block_mask_builder(compiled):
+    """create_block_mask, compiled once (CUDA): eager, it evaluates the mask on the dense B x T x T
+    grid; compiled, it works block by block (torchtitan `torchtitan/models/attention.py` compiles it
+    for the same reason). CPU tests run it eagerly. Static shapes: one compile per bucketed shape
+    (bucket_length), like model.flex, under the recompile limit model.flex raises."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask, dynamic=False) if compiled else create_block_mask
+
+
+def packed_mask(seg, device, flex):
+    """Who sees whom in packed rows (`seg`: 0 prompt, k response k, -1 padding): causal, and a key
+    is visible if it is in the prompt or in the query's own segment (a pad query sees the pads
+    before it, so no row is empty). On CUDA a flex-attention BlockMask: it stores which 128x128
+    blocks are empty, full or partial, so at the paper's lengths (~1k prompt + K x 2k) the kernel
+    skips the siblings' blocks and no dense mask exists (a dense bool one would be 81 MB per row).
+    On CPU a dense [B, 1, T, T] bool mask for SDPA (flex has no CPU backward), ~10 KB per row at the
+    CPU default's ~100 tokens."""
+    T = seg.shape[1]
+    if flex:
+        sg = seg.to(device)
+
+        def visible(b, h, q, k):
+            return (k <= q) & ((sg[b, k] == 0) | (sg[b, k] == sg[b, q]))
+        build = _block_mask_builder(torch.device(device).type == "cuda")
+        return build(visible, seg.shape[0], None, T, T, device=device)
+    i = torch.arange(T)
+    sq, sk = seg[:, :, None], seg[:, None, :]
+    return ((i[None, :] <= i[:, None]) & ((sk == 0) | (sk == sq)))[:, None].to(device)
+
+
+def batch_shape(mb, flex):
+    """(B, T) of a collated micro-batch: its longest row, and with flex its bucket_length (whole
+    128-blocks also because below 128 query rows torch 2.11 lowers flex to its decoding kernel,
+    which has no config for a GQA training batch on an H100)."""
+    T = max(len(r.ids) for r in mb)
+    return len(mb), bucket_length(T) if flex else T
+
+
+def collate(mb, device, flex=None):
+    """Right-padded tensors of a micro-batch. The attention mask is None (plain causal) unless a row
+    is packed (`packed_mask`)."""
+    packed = any(max(r.seg) > 1 for r in mb)
+    flex = packed and (device.type == "cuda" if flex is None else flex)
+    B, T = batch_shape(mb, flex)
+    N = max(len(r.tgt) for r in mb)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    seg = torch.full((B, T), -1)
+    sel = torch.zeros(B, N, dtype=torch.long)
+    tgt = torch.zeros(B, N, dtype=torch.long)
+    w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
+    temp = torch.ones(B, N)
+    old = torch.zeros(B, N) if mb[0].old is not None else None
+    for b, r in enumerate(mb):
+        T_r, n = len(r.ids), len(r.tgt)
+        ids[b, :T_r] = torch.tensor(r.ids)
+        pos[b, :T_r] = torch.tensor(r.pos)
+        seg[b, :T_r] = torch.tensor(r.seg)
+        sel[b, :n] = torch.tensor(r.sel)
+        tgt[b, :n] = torch.tensor(r.tgt)
+        w[b, :n] = float(r is not DUMMY)
+        adv[b, :n] = torch.tensor(r.adv, dtype=torch.float32)
+        slp[b, :n] = torch.tensor(r.slp, dtype=torch.float32)
+        temp[b, :n] = torch.tensor(r.temp, dtype=torch.float32)
+        if old is not None:
+            old[b, :n] = r.old
+    attn = packed_mask(seg, device, flex) if packed else None
+    ids, pos, sel, tgt, w, adv, slp, temp = (x.to(device) for x in (ids, pos, sel, tgt, w, adv, slp, temp))
+    old = None if old is None else old.to(device)
+    return Batch(ids=ids, pos=pos, sel=sel, attn=attn, tgt=tgt, w=w, adv=adv, slp=slp, temp=temp, old=old)
