@@ -5,7 +5,7 @@ grpo_mas.py lays samples out as rows (make_rows: plain, or a sibling group packe
 cuts them into micro-batches that fit `--micro_batch_tokens`, pads every rank to the same
 number of FSDP forwards, and builds each micro-batch's tensors with the attention mask of
 packed rows: a dense bool mask for SDPA on CPU, a flex-attention BlockMask on CUDA at a bounded
-set of bucketed shapes (so flex compiles a bounded number of times). Imports torch only.
+set of bucketed shapes (so flex compiles a bounded number of times). Imports torch and grpo_mas.
 """
 import functools
 from dataclasses import dataclass
