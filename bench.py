@@ -22,6 +22,18 @@ import time
 import torch
 
 import model as M
+import tiny
+
+
+def flops_per_token(cfg: M.Qwen3Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward+backward = 3x forward): 6*N for the matmul weights +
+    attention scores."""
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    attn_w = h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    n = L * (attn_w + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
+    # causal: half the scores
+    attn = 2 * 2 * L * cfg.num_attention_heads * cfg.head_dim * seq_len / 2
+    return 6 * n + 3 * attn
 
 
 def timeit(fn, repeats):
@@ -36,7 +48,7 @@ def timeit(fn, repeats):
 def bench_model(repeats=7):
     from transformers import Qwen3ForCausalLM
     d = tempfile.mkdtemp()
-    ours = M.build_tiny(d, size="tiny")
+    ours = tiny.build_tiny(d, size="tiny")
     hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32)
     x = torch.randint(0, 261, (16, 256))
 
@@ -61,7 +73,7 @@ def bench_model(repeats=7):
 def bench_sampler(repeats=5):
     from policies import make_engine
     d = tempfile.mkdtemp()
-    M.build_tiny(d, size="tiny", std=0.1)
+    tiny.build_tiny(d, size="tiny", std=0.1)
     prompts = [[257] + [40 + (i * 7 + j) % 50 for j in range(40)] for i in range(64)]
     res = {}
     for kind in ("torch", "vllm"):
@@ -121,7 +133,7 @@ def bench_env_one(task):
     from scripted import DefaultScript, ScriptedEngine
     from transformers import AutoTokenizer
     d = tempfile.mkdtemp()
-    M.build_tokenizer(d)
+    tiny.build_tokenizer(d)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(M.Qwen3Config(**M.SIZES["tiny"]).to_hf(), f)
     eng = ScriptedEngine(d, seed=0, script=DefaultScript(p_wrong=0.3, p_loop=0.05, p_hostile=0.02))
@@ -401,7 +413,7 @@ def gpu_step(peak, variants=((False, True), (False, False), (True, True))):
         res = {"bench": f"Qwen3-1.7B shape, fwd+bwd+AdamW, FSDP2 bf16 policy (1 rank), B={B} T={Tn}, "
                         f"checkpointing {ckpt}, compiled {compiled}",
                "step_s": s, "first_step_s": first, "tokens_per_s": tok_s,
-               "mfu": M.flops_per_token(cfg, Tn) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
+               "mfu": flops_per_token(cfg, Tn) * tok_s / peak, "peak_alloc_gib": mem, "planner_train_gib": est,
                "gpu": torch.cuda.get_device_name()}
         print(json.dumps(res), flush=True)
         results.append(res)
@@ -476,7 +488,7 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
                     "distinct_tokens": distinct,
                     "trained_tokens": st.trained_tokens,
                     "tokens_per_s": tok_s,
-                    "mfu": M.flops_per_token(cfg, 2048) * tok_s / peak,
+                    "mfu": flops_per_token(cfg, 2048) * tok_s / peak,
                     "over_bare_step": tok_s / bare,
                     "gpu_busy_fraction": busy / wall,
                 }

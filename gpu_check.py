@@ -19,7 +19,7 @@ Parts, in order:
   vllm      a training step with --engine vllm (0.6B shape): sleep, update, sync, sample; skipped
             without vLLM
 
-The model folders are random weights at the real shapes (model.build_tiny, with the tiny byte tokenizer):
+The model folders are random weights at the real shapes (tiny.build_tiny, with the tiny byte tokenizer):
 what runs is the code path and its memory, not a model that knows anything.
 """
 import json
@@ -55,10 +55,10 @@ def run(args, timeout):
 
 
 def model_folder(work, size):
-    import model as M
+    import tiny
     path = os.path.join(work, f"random-{size}")
     if not os.path.exists(path):
-        M.build_tiny(path, seed=0, size=size, std=0.02, dtype=torch.bfloat16)
+        tiny.build_tiny(path, seed=0, size=size, std=0.02, dtype=torch.bfloat16)
     return path
 
 

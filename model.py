@@ -11,9 +11,9 @@ checkpoints, transformers and vLLM read each other's files unchanged, and weight
 plain name->tensor stream. What this file leaves out: sliding-window attention (Qwen3 dense models
 do not use it), rope scaling (not used at the context lengths of the paper), attention bias, MoE.
 
-Also here: the tiny random Qwen3 plus a byte-level tokenizer with a Qwen3-style chat template that
-every CPU run and test uses (`build_tiny`), an FSDP2 sharding helper, and the KV-cache forward that
-the pure-torch sampler in engines.py decodes with.
+Also here: the model sizes (`SIZES`: the tiny one and the real Qwen3 shapes), LoRA in PEFT's layout,
+an FSDP2 sharding helper, and the KV-cache forward that the pure-torch sampler in engines.py decodes
+with. A random model of any size with its byte tokenizer: tiny.build_tiny.
 """
 import json
 import os
@@ -454,56 +454,6 @@ def save_model(model, path, state=None, dtype=None, shard_bytes=4 * 2**30, write
 
 
 # -----------------------------------------------------------------------------
-# the embedded tiny model: byte-level tokenizer + Qwen3-style chat template
-
-# ids 256.. in this order
-CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-
-
-def build_tokenizer(path, n_fill=0):
-    """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips,
-    and a model trained from scratch sees one token per character. Saved in HF format, so
-    AutoTokenizer and vLLM load it. `n_fill` inserts that many never-encoded filler entries before
-    the specials: a random model of a real Qwen3 shape then samples from ~151k real ids (so its
-    answers run to the length limit, the worst case for memory), and with n_fill = 151643 - 256 the
-    specials land on Qwen3's own ids (<|endoftext|> 151643, <|im_end|> 151645)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
-    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
-    vocab.update({f"<fill{i}>": 256 + i for i in range(n_fill)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(CONTROL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return fast
-
-
-def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
-    """Write a random Qwen3 + its tokenizer to `path` (HF format) and return the model. `size` other
-    than "tiny" gives a random model of a real shape (benchmarks and GPU checks) with a tokenizer
-    padded to Qwen3's ids."""
-    cfg = Qwen3Config(**{**SIZES[size], **overrides})
-    torch.manual_seed(seed)
-    model = Qwen3(cfg)
-    model.init_weights(std)
-    save_model(model, path, dtype=dtype)
-    tok = build_tokenizer(path, n_fill=0 if cfg.vocab_size < 151643 + 8 else 151643 - 256)
-    assert tok.convert_tokens_to_ids("<|im_end|>") == cfg.eos_token_id and len(tok) <= cfg.vocab_size
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id]}, f)
-    return model
-
-
-# -----------------------------------------------------------------------------
 # LoRA: one frozen base, one low-rank adapter per policy, in HF PEFT's layout and file format
 
 
@@ -649,14 +599,3 @@ def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
     # the root: no parameters left, it drives lazy init and prefetch
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
-
-
-def flops_per_token(cfg: Qwen3Config, seq_len: int) -> float:
-    """Training FLOPs per token (forward+backward = 3x forward): 6*N for the matmul weights +
-    attention scores."""
-    h, L = cfg.hidden_size, cfg.num_hidden_layers
-    attn_w = h * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-    n = L * (attn_w + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
-    # causal: half the scores
-    attn = 2 * 2 * L * cfg.num_attention_heads * cfg.head_dim * seq_len / 2
-    return 6 * n + 3 * attn

@@ -74,7 +74,7 @@ def tiny_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    M.build_tiny(d, seed=0, std=0.1)  # std 0.1: peaked logits, so greedy has no near-ties between implementations
+    tiny.build_tiny(d, seed=0, std=0.1)  # std 0.1: peaked logits, so greedy has no near-ties between implementations
     return d
 
 
@@ -644,7 +644,7 @@ def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
     """Under FSDP2 (2 ranks), a sync gathers one tensor at a time: peak extra memory is about one tensor (the largest,
     an MLP matrix: 3 MiB), where gathering the whole model first (the old sync) costs the model (~100 MiB)."""
     d = str(tmp_path / "m")
-    big = M.build_tiny(d, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
+    big = tiny.build_tiny(d, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
                        head_dim=64, num_hidden_layers=8)
     model_bytes = 4 * big.num_params()
     largest = 4 * max(p.numel() for p in big.parameters())
@@ -828,8 +828,8 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     assert not tok.decode(Agents(tok, [], {}).render(msgs, thinking=True)).endswith("</think>\n\n")
     # two model folders whose context (256) is below the preset's 10240: clamped, the prompt budget with it
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    M.build_tiny(a, seed=1, max_position_embeddings=256)
-    M.build_tiny(b, seed=2, max_position_embeddings=256)
+    tiny.build_tiny(a, seed=1, max_position_embeddings=256)
+    tiny.build_tiny(b, seed=2, max_position_embeddings=256)
     capsys.readouterr()
     cfg = T.configure(["--policy", f"tool={a}", "--policy", f"plan={b}", "--max_new_tokens", "8"])
     assert cfg["max_model_len"] == 256 and cfg["max_prompt_tokens"] == 248
@@ -881,8 +881,8 @@ def test_two_model_folders_shorter_than_the_preset_context_run(tmp_path, capsys)
     the step runs (two vLLM engines, one per base, on CPU)."""
     import train as T
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    M.build_tiny(a, seed=1)
-    M.build_tiny(b, seed=2)
+    tiny.build_tiny(a, seed=1)
+    tiny.build_tiny(b, seed=2)
     T.main(["--policy", f"tool={a}", "--policy", f"plan={b}", "--steps", "1", "--envs_per_step", "2", "--K", "2",
             "--turns", "1", "--eval_every", "0", "--ckpt_every", "0", "--max_new_tokens", "16",
             "--out_dir", str(tmp_path / "r")])
@@ -1111,7 +1111,7 @@ def test_vllm_sleep_update_wake_sample_cycle(tmp_path):
     from policies import make_engine
     cuda = torch.cuda.is_available()
     d, d2 = str(tmp_path / "m"), str(tmp_path / "m2")
-    M.build_tiny(
+    tiny.build_tiny(
         d, seed=0, size="0.6B" if cuda else "tiny", std=0.02 if cuda else 0.1, dtype=torch.bfloat16 if cuda else None
     )
     eng = make_engine("vllm", d, seed=0, max_len=1024, gpu_memory_utilization=0.3, sleep_mode=True)
@@ -1152,7 +1152,7 @@ def test_vllm_engine_memory_against_the_plan(tmp_path):
     own, after the sync cycle's: a constant to calibrate fails here, never in the cycle's verdict."""
     from policies import make_engine
     d = str(tmp_path / "m")
-    M.build_tiny(d, seed=0, size="0.6B", std=0.02, dtype=torch.bfloat16)
+    tiny.build_tiny(d, seed=0, size="0.6B", std=0.02, dtype=torch.bfloat16)
     torch.zeros(1, device="cuda")  # this process's CUDA context exists before the baseline
     free0, total = torch.cuda.mem_get_info()
     eng = make_engine("vllm", d, seed=0, max_len=1024, gpu_memory_utilization=0.3, sleep_mode=True)
@@ -3279,7 +3279,7 @@ def test_planned_host_memory_of_loading_a_model_vs_measured(tmp_path):
     it (measured 7.1 bytes per parameter)."""
     import memory
     d = str(tmp_path / "m")
-    M.build_tiny(d, seed=0, dtype=torch.bfloat16, vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+    tiny.build_tiny(d, seed=0, dtype=torch.bfloat16, vocab_size=32000, hidden_size=1024, intermediate_size=3072,
                  num_attention_heads=8, num_key_value_heads=8, head_dim=128, num_hidden_layers=8)
     # the peak is VmHWM, reset after the imports (ru_maxrss would start at this forking process's size)
     code = ("import torch, safetensors.torch, model as M\n"

@@ -1,5 +1,5 @@
 """
-The embedded default's base model: a random tiny Qwen3 (model.build_tiny: byte tokenizer, Qwen3 chat template)
+The embedded default's base model: a random tiny Qwen3 (build_tiny: byte tokenizer, Qwen3 chat template)
 warmed up on the answer *format* only, the analogue of a real base model that knows how to answer but not how to
 solve. The warm-up trains on (observation, random well-formed answer) pairs; for Sokoban and Sudoku the random
 answers are legal moves in the room or grid shown, never solutions (why: docs/design.md, "The tiny default").
@@ -30,6 +30,60 @@ TINY_VERSION = 1  # bump when the warm-up or the compact observations change: ev
 CACHE_ENV = "AT_GRPO_MINI_CACHE"  # the cache folder's override (the tests: their tmp_path)
 WARMUP_SAVE_S = 30.0  # the warm-up's state is saved this often: an interrupt loses at most this
 PROGRESS_S = 5.0      # a progress line at least this often (and at the end)
+
+
+# -----------------------------------------------------------------------------
+# the tiny model's birth: a random Qwen3 of any size, a byte-level tokenizer, Qwen3's chat template
+
+# ids 256.. in this order
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def build_tokenizer(path, n_fill=0):
+    """A byte-level tokenizer (256 bytes + Qwen3's special tokens, no merges): any text round-trips,
+    and a model trained from scratch sees one token per character. Saved in HF format, so
+    AutoTokenizer and vLLM load it. `n_fill` inserts that many never-encoded filler entries before
+    the specials: a random model of a real Qwen3 shape then samples from ~151k real ids (so its
+    answers run to the length limit, the worst case for memory), and with n_fill = 151643 - 256 the
+    specials land on Qwen3's own ids (<|endoftext|> 151643, <|im_end|> 151645)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    vocab.update({f"<fill{i}>": 256 + i for i in range(n_fill)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(CONTROL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny(path, seed=0, size="tiny", std=0.02, dtype=None, **overrides):
+    """Write a random Qwen3 + its tokenizer to `path` (HF format) and return the model. `size` other
+    than "tiny" gives a random model of a real shape (benchmarks and GPU checks) with a tokenizer
+    padded to Qwen3's ids."""
+    cfg = M.Qwen3Config(**{**M.SIZES[size], **overrides})
+    torch.manual_seed(seed)
+    model = M.Qwen3(cfg)
+    model.init_weights(std)
+    M.save_model(model, path, dtype=dtype)
+    tok = build_tokenizer(path, n_fill=0 if cfg.vocab_size < 151643 + 8 else 151643 - 256)
+    assert tok.convert_tokens_to_ids("<|im_end|>") == cfg.eos_token_id and len(tok) <= cfg.vocab_size
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": cfg.bos_token_id, "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id]}, f)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# the warm-up and its cache
 
 
 def cache_dir():
@@ -91,7 +145,7 @@ def _build_base(path, cfg, size):
     state = torch.load(state_path, weights_only=False) if os.path.exists(state_path) else None
     if state is None:
         shutil.rmtree(tmp, ignore_errors=True)
-    m = M.build_tiny(tmp, seed=cfg["seed"], size=size)
+    m = build_tiny(tmp, seed=cfg["seed"], size=size)
     if task in E.GENERATED and cfg["warmup_steps"] > 0:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tmp)
