@@ -4152,7 +4152,7 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
         (["--refill", "missing", "--task", "sokoban"], "--refill missing sizes the refills of --dynamic_sampling"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
-        (["--stop_step", "200"], r"--stop_step 200 must lie in \[0, --steps 150\]"),
+        (["--stop_step", "-1"], r"--stop_step -1: use 0 .stop at --steps. or a step"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
         (["--task", "sudoku", "--warmup_moves", "17"], r"--warmup_moves 17 must lie in \[1, 16\]"),
     ]:
@@ -4813,6 +4813,22 @@ def test_run_folder_is_never_replaced_unasked(tmp_path):
     assert state and not (out / "ckpt").exists()
     _run(args[:-2] + ["--steps", "1", "--out_dir", str(out), "--overwrite", "true"])
     assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")] == [1]
+
+
+def test_stop_step_past_the_schedule_holds_the_floor_lr(tmp_path):
+    """--stop_step beyond --steps: the run goes on after its schedule ends, at the schedule's last lr
+    (lr_min x lr), and stops at --stop_step; the first --steps steps are those of a run that stops there."""
+    args = FAST + ["--steps", "3", "--lr_decay", "1", "--lr_min", "0.1", "--ckpt_every", "0", "--eval_every", "0"]
+    _run(args + ["--stop_step", "5", "--out_dir", str(tmp_path / "long")])
+    _run(args + ["--out_dir", str(tmp_path / "short")])
+    long = [json.loads(l) for l in open(tmp_path / "long" / "metrics.jsonl")]
+    short = [json.loads(l) for l in open(tmp_path / "short" / "metrics.jsonl")]
+    assert [r["step"] for r in long] == [1, 2, 3, 4, 5]
+    # by hand: half cosine 1 -> 0.1 over 3 steps, then the floor
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * s / 3)) for s in range(3)]
+    assert [r["lr_factor"] for r in long] == pytest.approx(cosine + [0.1, 0.1])
+    for a, b in zip(long[:3], short):
+        assert a["loss"] == b["loss"] and a["success"] == b["success"]
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])

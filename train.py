@@ -139,8 +139,8 @@ seed = 0                   # seeds the tiny base, the envs, sampling and the ada
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
 resume = False             # continue from out_dir/ckpt
 overwrite = False          # replace the run in out_dir (else a folder with one is refused)
-stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule still
-                           # spans --steps: a run stopped at N is the first N steps of one
+stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule spans
+                           # --steps (stopped at N: its first N steps; past it: its last lr)
 time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
 ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
 wandb = ""                 # PROJECT: also log to Weights & Biases (pip install wandb)
@@ -631,7 +631,8 @@ def main(argv):
     dlogp_hist = [[] for _ in pols]
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
-    for step in range(start.step, cfg["steps"]):
+    end = cfg["stop_step"] or cfg["steps"]  # past --steps the lr holds its floor
+    for step in range(start.step, end):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
@@ -664,7 +665,7 @@ def main(argv):
             print(step_line(rec, roles, len(pols), eta), flush=True)
         out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
         stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
-        final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time
+        final = last == end or out_of_time
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
