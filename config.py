@@ -120,7 +120,8 @@ BOUNDS = [
     ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
     ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
-    ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of --steps in [0, 1]"),
+    ("lr_steps", lambda v: v >= 0, "0 (the schedule spans --steps) or a number of steps"),
+    ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of the schedule in [0, 1]"),
     ("lr_min", lambda v: 0 <= v <= 1, "a fraction of --lr in [0, 1]"),
     ("lora_lr_mult", lambda v: v > 0, "above 0"),
     ("lora_alpha", lambda v: v > 0, "above 0 (the adapter's scale is alpha / r)"),
@@ -278,8 +279,9 @@ def check_out_dir(cfg):
     (what a resume needs: common.check_resume)."""
     if cfg["wandb"] and importlib.util.find_spec("wandb") is None:
         raise SystemExit("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    if cfg["stop_step"] < 0:
-        raise SystemExit(f"--stop_step {cfg['stop_step']}: use 0 (stop at --steps) or a step to stop after")
+    if not 0 <= cfg["stop_step"] <= cfg["steps"]:
+        raise SystemExit(f"--stop_step {cfg['stop_step']} must lie in [0, --steps {cfg['steps']}] "
+                         "(0 = run all the steps)")
     out = cfg["out_dir"]
     if not out.strip():
         raise SystemExit("--out_dir is empty: name the run's folder, e.g. --out_dir runs/plan-seed1")

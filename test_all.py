@@ -4043,14 +4043,15 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
 
 def test_the_plan_default_trains_each_prompt_once():
     """The tiny Plan-Path default packs each sibling group into one row (its prompt once) in mini-batches of whole
-    groups, with the cosine over 150 steps (chosen on seeds 40-49, reported on 100-109: docs/results.md);
-    `--pack false` is the earlier layout (one row per sample, the strided split); the other tiny tasks stay unpacked."""
+    groups, with the cosine over 150 steps (chosen on seeds 40-49, reported on 100-109: docs/results.md), then its
+    floor until the clock (reported on 146-155); `--pack false` is the earlier layout (one row per sample, the strided
+    split); the other tiny tasks stay unpacked."""
     import train as T
     plan = T.configure([])
-    assert plan["pack"] and plan["split"] == "groups" and plan["steps"] == 150
+    assert plan["pack"] and plan["split"] == "groups" and plan["lr_steps"] == 150 and plan["steps"] == 1000
     assert plan["lr"] == 5e-4 and plan["lr_decay"] == 1.0 and plan["minibatches"] == 4
     before = T.configure(["--pack", "false"])
-    assert not before["pack"] and before["split"] == "strided" and before["steps"] == 150
+    assert not before["pack"] and before["split"] == "strided" and before["lr_steps"] == 150
     for task in ("sokoban", "sudoku", "search", "math"):
         assert not T.configure(["--task", task])["pack"]
     assert "pack True" in config.config_line(plan, T.PRESETS)
@@ -4058,10 +4059,12 @@ def test_the_plan_default_trains_each_prompt_once():
 
 def test_lr_schedule_matches_torch_schedulers():
     """--lr_decay D: constant for the first (1 - D) of --steps, then a half cosine to --lr_min x lr, checked step by
-    step against torch's own ConstantLR + CosineAnnealingLR chain (an independent implementation); 0 = constant."""
+    step against torch's own ConstantLR + CosineAnnealingLR chain (an independent implementation); 0 = constant.
+    --lr_steps L below --steps: the same schedule over L steps, then --lr_min x lr to the end."""
     import train as T
     for steps, decay, lr_min in ((250, 0.5, 0.1), (7, 0.4, 0.0), (10, 1.0, 0.2)):
-        cfg = {"steps": steps, "lr_decay": decay, "lr_min": lr_min}
+        cfg = {"steps": steps, "lr_steps": 0, "lr_decay": decay, "lr_min": lr_min}
+        longer = {**cfg, "steps": 3 * steps, "lr_steps": steps}
         start = round(steps * (1 - decay))
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps - start, eta_min=lr_min)
@@ -4071,10 +4074,12 @@ def test_lr_schedule_matches_torch_schedulers():
                 torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=start), cosine], milestones=[start])
         for step in range(steps):
             assert T.lr_factor(cfg, step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-9), (steps, step)
+            assert T.lr_factor(longer, step) == T.lr_factor(cfg, step)
             opt.step()
             sched.step()
         assert T.lr_factor(cfg, steps - 1) > lr_min  # the last step still moves; the floor is reached at --steps
-    assert all(T.lr_factor({"steps": 9, "lr_decay": 0.0, "lr_min": 0.1}, s) == 1.0 for s in range(9))
+        assert all(T.lr_factor(longer, s) == pytest.approx(lr_min) for s in range(steps, 3 * steps))
+    assert all(T.lr_factor({"steps": 9, "lr_steps": 0, "lr_decay": 0.0, "lr_min": 0.1}, s) == 1.0 for s in range(9))
     with pytest.raises(SystemExit, match="lr_decay"):
         T.configure(["--lr_decay", "1.5"])
 
@@ -4152,7 +4157,7 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
         (["--refill", "missing", "--task", "sokoban"], "--refill missing sizes the refills of --dynamic_sampling"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
-        (["--stop_step", "-1"], r"--stop_step -1: use 0 .stop at --steps. or a step"),
+        (["--stop_step", "2000"], r"--stop_step 2000 must lie in \[0, --steps 1000\]"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
         (["--task", "sudoku", "--warmup_moves", "17"], r"--warmup_moves 17 must lie in \[1, 16\]"),
     ]:
@@ -4746,6 +4751,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         "6",
         "--stop_step",
         "4",
+        "--lr_steps",
+        "6",
         "--ckpt_every",
         "2",
         "--eval_every",
@@ -4815,18 +4822,19 @@ def test_run_folder_is_never_replaced_unasked(tmp_path):
     assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")] == [1]
 
 
-def test_stop_step_past_the_schedule_holds_the_floor_lr(tmp_path):
-    """--stop_step beyond --steps: the run goes on after its schedule ends, at the schedule's last lr
-    (lr_min x lr), and stops at --stop_step; the first --steps steps are those of a run that stops there."""
-    args = FAST + ["--steps", "3", "--lr_decay", "1", "--lr_min", "0.1", "--ckpt_every", "0", "--eval_every", "0"]
-    _run(args + ["--stop_step", "5", "--out_dir", str(tmp_path / "long")])
-    _run(args + ["--out_dir", str(tmp_path / "short")])
+def test_lr_schedule_shorter_than_the_run_holds_its_floor(tmp_path):
+    """--lr_steps below --steps (nanoGPT's lr_decay_iters below max_iters): the cosine spans --lr_steps,
+    the lr holds lr_min x lr after it, and the first --lr_steps steps are those of a run of that length."""
+    args = FAST + ["--lr_decay", "1", "--lr_min", "0.1", "--ckpt_every", "0", "--eval_every", "0"]
+    _run(args + ["--steps", "5", "--lr_steps", "3", "--out_dir", str(tmp_path / "long")])
+    _run(args + ["--steps", "3", "--lr_steps", "0", "--out_dir", str(tmp_path / "short")])
     long = [json.loads(l) for l in open(tmp_path / "long" / "metrics.jsonl")]
     short = [json.loads(l) for l in open(tmp_path / "short" / "metrics.jsonl")]
     assert [r["step"] for r in long] == [1, 2, 3, 4, 5]
     # by hand: half cosine 1 -> 0.1 over 3 steps, then the floor
     cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * s / 3)) for s in range(3)]
     assert [r["lr_factor"] for r in long] == pytest.approx(cosine + [0.1, 0.1])
+    assert [r["lr_factor"] for r in short] == pytest.approx(cosine)
     for a, b in zip(long[:3], short):
         assert a["loss"] == b["loss"] and a["success"] == b["success"]
 

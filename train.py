@@ -112,9 +112,10 @@ tis_cap = 2.0              # truncated IS: loss x min(exp(old - sampler logp), C
 kl_coef = 0.0              # k3 KL to the initial weights; 0 = none (paper)
 entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (paper)
 # optimization
-steps = 400                # training steps; the lr schedule spans them
+steps = 400                # training steps
+lr_steps = 0               # the lr schedule's length (0 = --steps); past it the lr holds its floor
 lr = 1e-6                  # AdamW learning rate; per role: tool=1e-6,plan=2e-6
-lr_decay = 0.0             # last fraction of --steps: lr falls (half cosine) to lr_min x lr
+lr_decay = 0.0             # last fraction of the schedule: lr falls (half cosine) to lr_min x lr
 lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
 lora_lr_mult = 1.0         # --policies lora without --lr: this x the preset's lr
 weight_decay = 0.01        # AdamW's decoupled weight decay
@@ -139,8 +140,8 @@ seed = 0                   # seeds the tiny base, the envs, sampling and the ada
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
 resume = False             # continue from out_dir/ckpt
 overwrite = False          # replace the run in out_dir (else a folder with one is refused)
-stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule spans
-                           # --steps (stopped at N: its first N steps; past it: its last lr)
+stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule does not
+                           # change: a run stopped at N is the first N steps of one
 time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
 ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
 wandb = ""                 # PROJECT: also log to Weights & Biases (pip install wandb)
@@ -176,8 +177,10 @@ PRESETS = {
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
     # Plan-Path: DAPO's refill keeps freezes off; 0.5 samples near the scored greedy answer;
-    # a sibling group trains as one row (its prompt once), cosine over 150 (docs/results.md)
-    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True, "steps": 150},
+    # a sibling group trains as one row (its prompt once); the cosine over 150 steps, then its
+    # floor until the 15-minute clock (docs/results.md)
+    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
+                  "steps": 1000, "lr_steps": 150},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
@@ -304,11 +307,13 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 
 def lr_factor(cfg, step):
     """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last
-    --lr_decay of --steps a half cosine down to --lr_min (warmup-stable-decay, no warmup)."""
-    start = round(cfg["steps"] * (1 - cfg["lr_decay"]))
+    --lr_decay of the schedule's --lr_steps (or --steps) a half cosine down to --lr_min, held
+    after (warmup-stable-decay, no warmup; nanoGPT's lr_decay_iters against max_iters)."""
+    span = cfg["lr_steps"] or cfg["steps"]
+    start = round(span * (1 - cfg["lr_decay"]))
     if not cfg["lr_decay"] or step < start:
         return 1.0
-    t = min(1.0, (step - start) / max(1, cfg["steps"] - start))
+    t = min(1.0, (step - start) / max(1, span - start))
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
 
 
@@ -631,8 +636,7 @@ def main(argv):
     dlogp_hist = [[] for _ in pols]
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
-    end = cfg["stop_step"] or cfg["steps"]  # past --steps the lr holds its floor
-    for step in range(start.step, end):
+    for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
@@ -665,7 +669,7 @@ def main(argv):
             print(step_line(rec, roles, len(pols), eta), flush=True)
         out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
         stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
-        final = last == end or out_of_time
+        final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
