@@ -2991,6 +2991,58 @@ def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef, 
             assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_update_against_transformers_ppo_with_pi_old_forwarded_once(tiny_dir, pack, monkeypatch):
+    """update_policy with 3 mini-batches lands on the weights of an independent PPO written here on transformers'
+    Qwen3 (pi_old: every sample scored before the first optimizer step; then per mini-batch the clipped token-mean
+    and one SGD step). And pi_old costs no forward for the first mini-batch: nothing has moved yet, so its pi_old is
+    the trainer's own log-probs, detached (verl `dp_actor.py` does this when there is a single mini-batch)."""
+    from transformers import Qwen3ForCausalLM
+    import train as T
+    samples = _sibling_groups(7, n_groups=9)
+    cfg = {**T.configure([]), "minibatches": 3, "mini_batch_rows": 0, "pack": pack, "split": "groups",
+           "micro_batch_tokens": 60, "tis_cap": 0.0, "entropy_coef": 0.0, "grad_clip": 1e9}
+    forwards, row_logprobs = [], T.row_logprobs
+
+    def counting(model, b, entropy=False):
+        forwards.append(torch.is_grad_enabled())
+        return row_logprobs(model, b, entropy)
+    monkeypatch.setattr(T, "row_logprobs", counting)
+    m = M.load_model(tiny_dir)
+    T.update_policy(m, torch.optim.SGD(m.parameters(), lr=0.5), samples, cfg, 1, torch.device("cpu"))
+    chunks = G.split_minibatches(samples, 3, "groups")
+    first = len(batching.micro_batches(G.make_rows(chunks[0], pack), 60, lambda x: x))
+    assert forwards.count(True) == forwards.count(False) + first  # no pi_old forward for mini-batch 1
+
+    hf = Qwen3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    opt = torch.optim.SGD(hf.parameters(), lr=0.5)
+
+    def logps(s):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = hf(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+    with torch.no_grad():
+        old = {id(s): logps(s) for s in samples}
+    for chunk in chunks:
+        n_tokens = sum(len(s.response_ids) for s in chunk)
+        loss = 0.0
+        for s in chunk:
+            ratio = torch.exp(logps(s) - old[id(s)])
+            clipped = ratio.clamp(1 - cfg["eps_low"], 1 + cfg["eps_high"])
+            pg = torch.maximum(-s.adv * ratio, -s.adv * clipped)
+            if s.adv < 0:  # dual clip
+                pg = torch.minimum(pg, torch.tensor(-cfg["dual_clip"] * s.adv))
+            loss = loss + pg.sum() / n_tokens
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ours, ref = dict(m.named_parameters()), dict(hf.named_parameters())
+    moved = max((ref[k] - w).abs().max().item() for k, w in M.load_model(tiny_dir).named_parameters())
+    assert moved > 1e-3  # the steps did move the weights
+    for k in ours:
+        assert (ours[k] - ref[k]).abs().max().item() < 1e-5, k
+
+
 # -----------------------------------------------------------------------------
 # [rollouts] rollouts: tree invariants on recorded rollouts
 

@@ -15,8 +15,8 @@ What this script simplifies, and why:
  1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the
     vLLM engine sleeps during the update (weights and KV cache freed) and wakes for the weight sync
     and for generation; on CPU it stays up. Simple and enough for a node.
- 2. pi_old is the policy that sampled: with one mini-batch per step it is pi_theta detached; with
-    several the trainer recomputes it before the first optimizer step.
+ 2. pi_old is the policy that sampled: for the first mini-batch it is pi_theta detached; for the
+    others the trainer recomputes it before the first optimizer step.
  3. Every rank holds one engine and generates for its own envs; there is no central scheduler.
     Several policies on one base take turns in that engine (policies.PolicySwitch).
  4. No critic, no KL and no entropy bonus by default (the paper's setting); `--kl_coef` adds a k3 KL
@@ -255,9 +255,12 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
     flex = cfg["pack"] and device.type == "cuda"  # flex attention at bucketed shapes (bucket_length)
     stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
-    if n_mini > 1:  # pi_old: the trainer's log-probs before the first update (not the sampler's)
+    # pi_old: the trainer's log-probs before the first update (not the sampler's). The first
+    # mini-batch needs no forward for it: nothing has moved yet, so pi_old is its own log-probs,
+    # detached below (verl dp_actor.py does this when there is one mini-batch)
+    if n_mini > 1:
         with torch.no_grad():
-            for chunk in chunks:
+            for chunk in chunks[1:]:
                 for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
                     # FSDP2 computes in bf16 on GPU
                     logps = row_logprobs(model, collate(mb, device, flex))
