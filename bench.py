@@ -318,13 +318,14 @@ def bench_refill(steps=3, repeats=2):
 
 
 def bench_gpu(parts="parity,step,update"):
-    """CUDA only (`python bench.py gpu [parity,step,update]`). (1) parity: bf16 forward of our Qwen3 and of
+    """CUDA only (`python bench.py gpu [parity,step,update,update_fast]`). (1) parity: bf16 forward of our Qwen3 and of
     transformers, each against transformers in fp32, on a 4-layer 1.7B-shaped random model, and a control with a planted
     bug (RoPE base 1e4 instead of 1e6) to show the metric separates; (2) step: fwd+bwd+AdamW throughput and MFU of the
     full Qwen3-1.7B shape at sequence length 4096 through FSDP2 (bf16 param / fp32 reduce, 1-rank NCCL group), eager and
     per-block compiled, with and without activation checkpointing, each with its peak memory next to memory.py's
     estimate; (3) update: train.update_policy itself (pi_old forward, PPO micro-batches, clip, AdamW) on a paper-shaped
-    batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model."""
+    batch of rollout samples, one row per sample vs packed sibling groups, against a bare step of the same model;
+    (4) update_fast: the same for per-block compiled layouts with selective or full checkpointing."""
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py gpu needs a CUDA GPU: torch {torch.__version__} sees none (the CPU benchmarks: "
                          "model, sampler, sandbox, env, train; the GPU check: python gpu_check.py)")
@@ -336,8 +337,9 @@ def bench_gpu(parts="parity,step,update"):
         gpu_parity()
     if "step" in parts:
         gpu_step(peak)
-    if "update" in parts or "pack" in parts:  # "pack": the packed layout alone
-        gpu_update(peak, packs=(False, True) if "update" in parts else (True,))
+    for part in ("update", "update_fast"):
+        if part in parts:
+            gpu_update(peak, UPDATE_LAYOUTS[part])
 
 
 def gpu_parity():
@@ -377,8 +379,9 @@ def _lm_step(m, opt, x):
     torch.cuda.synchronize()
 
 
-def gpu_step(peak, variants=((False, True), (False, False), (True, True))):
-    """Each (compiled, checkpointing) variant's numbers, printed and returned."""
+def gpu_step(peak, variants=((False, "full"), (False, "off"), (True, "full"), (False, "selective"),
+                             (True, "selective"), (True, "off"))):
+    """Each (compiled, --grad_checkpoint mode) variant's numbers, printed and returned."""
     import memory
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
     Tn, B = 4096, 2
@@ -431,13 +434,18 @@ def gpu_update_config(pack=False):
             "pack": pack, "split": "groups" if pack else "strided"}
 
 
-def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
+# (pack, compiled, --grad_checkpoint) of the update benchmark's layouts: "update" the ones measured
+# on the H100 (2026-11-22), "update_fast" the candidates for the real models' defaults (issue 60)
+UPDATE_LAYOUTS = {"update": ((False, False, "full"), (True, False, "full")),
+                  "update_fast": ((True, True, "selective"), (True, True, "full"), (False, True, "selective"))}
+
+
+def gpu_update(peak, layouts=UPDATE_LAYOUTS["update"], groups=8, K=4, repeats=3, profile=True):
     """`groups` sibling groups of K samples (one prompt each, 512-1536 tokens; responses 128-2048 tokens), the real
-    defaults (2 mini-batches, 16384-token micro-batches, checkpointing, TIS cap 2), eager. Tokens/s counts every
-    distinct token once (prompt + responses), so packed and unpacked rows do the same useful work."""
+    defaults (2 mini-batches, 16384-token micro-batches, TIS cap 2), per layout (pack, compiled, checkpointing) on a
+    model of its own, against a bare step of that model. Tokens/s counts every distinct token once (prompt +
+    responses), so packed and unpacked rows do the same useful work."""
     import random
-    import common as C
-    import train as T
     from rollout import Sample
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
     rng = random.Random(0)
@@ -449,53 +457,49 @@ def gpu_update(peak, packs=(False, True), groups=8, K=4, repeats=3):
             samples.append(Sample(0, g, "plan", 0, 0, prompt, [rng.randrange(151643) for _ in range(n)],
                                   [-rng.random() * 3 for _ in range(n)], 0.0, adv=rng.choice([-1.0, 1.0])))
     distinct = sum(len(s.response_ids) for s in samples) + sum(len(samples[g * K].prompt_ids) for g in range(groups))
-    torch.manual_seed(0)
-    m = M.Qwen3(cfg)
-    m.init_weights(0.02)
-    M.shard(m, checkpoint=True, param_dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
     x = torch.randint(0, cfg.vocab_size, (2, 4096), device="cuda")
-    step = functools.partial(_lm_step, m, opt, x)  # the bare reference on the same model
-    step()
-    bare = 2 * 4095 / timeit(step, 5)
-    print(json.dumps({"bench": "bare fwd+bwd+AdamW, 2 x 4096, same model", "tokens_per_s": bare}), flush=True)
-    for pack in packs:
-        c = gpu_update_config(pack)
-
-        def upd():
-            st = T.update_policy(m, opt, samples, c, 1, C.DEVICE)
-            torch.cuda.synchronize()
-            return st
+    for pack, compiled, ckpt in layouts:
+        name = f"pack {pack}, compiled {compiled}, checkpointing {ckpt}"
+        torch.manual_seed(0)
+        m = M.Qwen3(cfg)
+        m.init_weights(0.02)
+        M.shard(m, checkpoint=ckpt, param_dtype=torch.bfloat16, compile=compiled)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
+        step = functools.partial(_lm_step, m, opt, x)  # the bare reference on the same model
+        step()
+        bare = 2 * 4095 / timeit(step, 5)
+        print(json.dumps({"bench": f"bare fwd+bwd+AdamW, 2 x 4096, {name}", "tokens_per_s": bare}), flush=True)
+        upd = functools.partial(_gpu_update_once, m, opt, samples, gpu_update_config(pack))
         t0 = time.perf_counter()
-        st = upd()  # warm-up (the block-mask and flex compiles)
-        print(
-            json.dumps({"bench": f"update_policy warm-up, pack {pack}", "first_s": time.perf_counter() - t0}),
-            flush=True,
-        )
+        st = upd()  # warm-up (the block-mask, flex and per-layer compiles)
+        print(json.dumps({"bench": f"update_policy warm-up, {name}", "first_s": time.perf_counter() - t0}), flush=True)
+        torch.cuda.reset_peak_memory_stats()
         s = timeit(upd, repeats)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            upd()
-            wall = time.perf_counter() - t0
-        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6  # kernels only (CUDA activity alone)
-        tok_s = distinct / s
-        print(
-            json.dumps(
-                {
-                    "bench": f"train.update_policy, Qwen3-1.7B shape, {len(samples)} samples "
-                    f"({groups} groups x K={K}), pack {pack}",
-                    "update_s": s,
-                    "distinct_tokens": distinct,
-                    "trained_tokens": st.trained_tokens,
-                    "tokens_per_s": tok_s,
-                    "mfu": flops_per_token(cfg, 2048) * tok_s / peak,
-                    "over_bare_step": tok_s / bare,
-                    "gpu_busy_fraction": busy / wall,
-                }
-            ),
-            flush=True,
-        )
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=6), flush=True)
+        res = {"bench": f"train.update_policy, Qwen3-1.7B shape, {len(samples)} samples ({groups} groups x K={K}), "
+                        f"{name}",
+               "update_s": s, "distinct_tokens": distinct, "trained_tokens": st.trained_tokens,
+               "tokens_per_s": distinct / s, "mfu": flops_per_token(cfg, 2048) * distinct / s / peak,
+               "over_bare_step": distinct / s / bare, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                upd()
+                wall = time.perf_counter() - t0
+            busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6  # kernels only
+            res["gpu_busy_fraction"] = busy / wall
+        print(json.dumps(res), flush=True)
+        if profile:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=6), flush=True)
+        del m, opt, upd
+        torch.cuda.empty_cache()
+
+
+def _gpu_update_once(m, opt, samples, cfg):
+    import common as C
+    import train as T
+    st = T.update_policy(m, opt, samples, cfg, 1, C.DEVICE)
+    torch.cuda.synchronize()
+    return st
 
 
 if __name__ == "__main__":

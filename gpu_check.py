@@ -140,8 +140,12 @@ def check_mfu(results, work):
     import common as C
     C.setup_dist()
     peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12
-    res = bench.gpu_step(peak, variants=((False, True),))[0]
-    verdict(results, "mfu", True, f"1.7B shape, 2 x 4096 tokens, checkpointing: {res['tokens_per_s']:.0f} "
+    import train as T
+    # the real models' defaults: --compile, --grad_checkpoint
+    compiled, ckpt = T.FLAGS["compile"], T.FLAGS["grad_checkpoint"]
+    res = bench.gpu_step(peak, variants=((compiled, ckpt),))[0]
+    verdict(results, "mfu", True, f"1.7B shape, 2 x 4096 tokens, compiled {compiled}, checkpointing {ckpt}: "
+            f"{res['tokens_per_s']:.0f} "
             f"tokens/s, MFU {res['mfu']:.2f}, peak {res['peak_alloc_gib']:.1f} GiB (plan "
             f"{res['planner_train_gib']:.1f})", **res)
 

@@ -63,13 +63,27 @@ def act_bytes_per_token_layer(cfg, b=2):
     return (2 * (4 + b) * h + (4 + 4 * b) * (nh + nkv) * hd + b * nkv * hd + 2 * b * nh * hd + 4 * nh + 4 * b * I)
 
 
+def selective_bytes_per_token_layer(cfg, b=2):
+    """Bytes one decoder layer keeps per token under --grad_checkpoint selective (model.SELECTIVE_SAVE):
+    its input (b h) and the outputs of its matmuls and attention: q, k, v (b (nh + 2 nkv) hd), the attention
+    output (b nh hd) and logsumexp (4 nh), o_proj (b h), gate and up (2 b I), down (b h)."""
+    h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return b * h + b * (nh + 2 * nkv) * hd + b * nh * hd + 4 * nh + 2 * b * h + 2 * b * I
+
+
 def activation_bytes(cfg, tokens, checkpoint, b=2):
-    """Peak activation bytes of one micro-batch of `tokens` (padded) tokens in forward+backward."""
+    """Peak activation bytes of one micro-batch of `tokens` (padded) tokens in forward+backward
+    (`checkpoint`: one of model.CHECKPOINT_MODES)."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     layer = act_bytes_per_token_layer(cfg, b) * tokens
-    if checkpoint:  # each layer keeps only its input; backward recomputes one layer at a time
-        return L * b * h * tokens + layer + 2 * b * h * tokens  # + the incoming/outgoing gradient of the residual
-    return L * layer + 2 * b * h * tokens
+    residual_grads = 2 * b * h * tokens  # the incoming/outgoing gradient of the residual
+    if checkpoint == "off":
+        return L * layer + residual_grads
+    # full: each layer keeps its input; selective: its matmul outputs too. Backward recomputes the
+    # rest one layer at a time
+    kept = b * h if checkpoint == "full" else selective_bytes_per_token_layer(cfg, b)
+    return L * kept * tokens + layer + residual_grads
 
 
 def logits_bytes(cfg, tokens, chunk, entropy=False):
@@ -204,7 +218,7 @@ def plan(
         ("generation engine (awake / asleep)", dict(rollout=awake, train=asleep, sync=synced, checkpoint=asleep)),
         ("unsharded bf16 units in flight (2 layers + embed/head)", dict(train=unit_params)),
         ("their gradients (bf16 + fp32 reduce)", dict(train=unit_grads)),
-        (f"activations, {micro_batch_tokens} tok, checkpointing {'on' if grad_checkpoint else 'off'}", dict(train=act)),
+        (f"activations, {micro_batch_tokens} tok, checkpointing {grad_checkpoint}", dict(train=act)),
         (f"logits chunk [{logits_chunk} x {cfg.vocab_size}] + head input", dict(train=logits)),
         ("packed rows: flex block mask (--pack)", dict(train=block_mask_bytes(micro_batch_tokens) if pack else 0)),
         ("KL reference (sharded)", dict(rollout=ref, train=ref, sync=ref, checkpoint=ref)),
@@ -230,8 +244,7 @@ def plan(
         node_ranks=min(world, 8),
         kv_tokens=int(kv / kv_bytes_per_token(cfg)),
         fix=None,
-        act_no_ckpt=activation_bytes(cfg, micro_batch_tokens, False) / GiB,
-        act_ckpt=activation_bytes(cfg, micro_batch_tokens, True) / GiB,
+        act={mode: activation_bytes(cfg, micro_batch_tokens, mode) / GiB for mode in ("off", "selective", "full")},
     )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
         res["fits"] = False
@@ -265,8 +278,8 @@ def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, eng
                 f"(torchrun --nproc_per_node / more nodes; about {need_world} ranks fit)"
                 + (", or --policies shared" if n_policies > 1 else ""))
     if phase == "train":
-        if not ckpt:
-            return "turn on activation checkpointing: --grad_checkpoint true"
+        if ckpt != "full":
+            return "recompute each layer's activations in backward: --grad_checkpoint full"
         over = tot["train"] - limit
         per_tok = (activation_bytes(cfg, mbt, ckpt) - activation_bytes(cfg, mbt // 2, ckpt)) / (mbt - mbt // 2)
         smaller = int(max(1024, mbt - over / per_tok) // 1024 * 1024)
@@ -285,8 +298,8 @@ def format_table(res, title):
     lines.append("| **total** | " + " | ".join(f"**{res['totals'][p]:.1f}**" for p in phases) + " |")
     lines += [
         "",
-        f"activations per micro-batch: {res['act_no_ckpt']:.1f} GiB without checkpointing, "
-        f"{res['act_ckpt']:.1f} GiB with it",
+        "activations per micro-batch by --grad_checkpoint: "
+        + ", ".join(f"{mode} {gib:.1f} GiB" for mode, gib in res["act"].items()),
         f"engine KV cache: {res['kv_gib']:.1f} GiB = {res['kv_tokens'] / 1000:.0f}k tokens"
         + (
             " (after vLLM's start-up reserve: {:.1f} GiB for {} sequences x {} batched tokens, and CUDA graphs)".format(
@@ -350,7 +363,7 @@ def print_plan(cfg):
     title = (
         f"memory plan: --model {cfg['model'] or 'tiny'} --policies {cfg['policies']} --world {world} "
         f"--gpu_gb {gpu_gb:g} "
-        f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {str(cfg['grad_checkpoint']).lower()} "
+        f"--micro_batch_tokens {cfg['micro_batch_tokens']} --grad_checkpoint {cfg['grad_checkpoint']} "
         f"--engine {cfg['engine']} --gpu_memory_utilization {cfg['gpu_memory_utilization']}"
     )
     print(format_table(res, title))

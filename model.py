@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # -----------------------------------------------------------------------------
 # config
@@ -218,6 +219,31 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Activation checkpointing per decoder layer (--grad_checkpoint): "off" keeps every activation;
+# "full" keeps the layer's input and recomputes the whole layer in backward (one more forward);
+# "selective" keeps what the matmul units made (projections, attention) and recomputes the norms,
+# RoPE, SiLU and adds: cheap, memory-bound ops. torchtitan's op-level SAC
+# (torchtitan/distributed/activation_checkpoint.py, SelectiveAC) saves the same kinds of ops and
+# also recomputes every second matmul, to save memory.
+CHECKPOINT_MODES = ("off", "full", "selective")
+_aten = torch.ops.aten
+SELECTIVE_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
+                  _aten._scaled_dot_product_flash_attention.default,
+                  _aten._scaled_dot_product_efficient_attention.default,
+                  _aten._scaled_dot_product_cudnn_attention.default,
+                  _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch._higher_order_ops.flex_attention}
+
+
+def _keep_matmuls(ctx, func, *args, **kwargs):
+    keep = func in SELECTIVE_SAVE
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -226,16 +252,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         # activation checkpointing inside forward keeps parameter names HF names
-        self.checkpoint = False
+        self.checkpoint = "off"  # one of CHECKPOINT_MODES
 
     def _forward(self, x, cos, sin, mask, cache, start):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask=None, cache=None, start=0):
-        if self.checkpoint and self.training and cache is None:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, None, 0, use_reentrant=False)
-        return self._forward(x, cos, sin, mask, cache, start)
+        args = (x, cos, sin, mask, None, 0)
+        if self.checkpoint == "off" or not self.training or cache is not None:
+            return self._forward(x, cos, sin, mask, cache, start)
+        if self.checkpoint == "full":
+            return checkpoint(self._forward, *args, use_reentrant=False)
+        return checkpoint(self._forward, *args, use_reentrant=False, context_fn=selective_context)
 
 
 class Body(nn.Module):  # HF's `model.` prefix
@@ -267,7 +296,7 @@ class LMHead(nn.Linear):
             temp = temperature[s:s + chunk] if per_token else temperature
             args = (h[s:s + chunk], self.weight, t[s:s + chunk], temp, entropy)
             if torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad):
-                out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+                out.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
             else:
                 out.append(_chunk_logprobs(*args))
         # not a view: FSDP2 hooks the root module's output
@@ -566,7 +595,7 @@ def load_adapter(model, name, path):
 # FSDP2
 
 
-def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
+def shard(model, mesh=None, checkpoint="off", param_dtype=None, compile=False):
     """FSDP2 in place (parameter names unchanged), the torchtitan way
     (`torchtitan/distributed/fsdp.py`):
     - one unit per decoder layer, the embedding its own unit and [final norm, lm_head] one unit, so
@@ -576,8 +605,9 @@ def shard(model, mesh=None, checkpoint=False, param_dtype=None, compile=False):
       all-gather moves and the forward computes in, gradients are reduced in fp32 into fp32 master
       shards. (Autocast around an fp32 FSDP2 model keeps bf16 weight copies alive outside FSDP2's
       reshard: +2 B/param measured in the review.) None = fp32;
-    - optional activation checkpointing per layer and `torch.compile` per layer
-      (`nn.Module.compile`, in place), applied before sharding as torchtitan does.
+    - activation checkpointing per layer (`checkpoint`: one of CHECKPOINT_MODES) and optional
+      `torch.compile` per layer (`nn.Module.compile`, in place), applied before sharding as
+      torchtitan does.
     On CPU pass an explicit CPU mesh (or none: one is built over all ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import torch.distributed as dist

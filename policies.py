@@ -245,7 +245,7 @@ def _make_model(cfg, src, device, trainable=True, empty=False, adapters=()):
         M.add_lora(m, adapters, cfg["lora_rank"], cfg["lora_alpha"], seed=cfg["seed"])
     if fsdp:  # fully_shard moves each unit's shard of the CPU model to this rank's device
         compute_dtype = torch.bfloat16 if device.type == "cuda" else None
-        M.shard(m, checkpoint=cfg["grad_checkpoint"] and trainable, param_dtype=compute_dtype,
+        M.shard(m, checkpoint=cfg["grad_checkpoint"] if trainable else "off", param_dtype=compute_dtype,
                 compile=cfg["compile"])
     else:
         for layer in m.model.layers:

@@ -32,6 +32,7 @@ the loss), test_tree_invariants_sequential (a recorded tree replayed from its sa
 test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
 import collections
+import copy
 import itertools
 import importlib.util
 import json
@@ -430,7 +431,7 @@ def test_planner_counts_lora_adapters_exactly():
             m = M.add_lora(M.Qwen3(cfg), ["a", "b"], 16, 32.0)
         assert sum(p.numel() for p in M.adapter_parameters(m, "a")) == memory.lora_count(cfg, 16), size
     cfg = M.Qwen3Config(**M.SIZES["8B"])
-    kw = dict(world=8, gpu_gb=80, n_policies=2, micro_batch_tokens=16384, grad_checkpoint=True)
+    kw = dict(world=8, gpu_gb=80, n_policies=2, micro_batch_tokens=16384, grad_checkpoint="full")
     full, lora = memory.plan(cfg, **kw), memory.plan(cfg, lora_rank=16, **kw)
     c = memory.counts(cfg)
     saved = (2 * 16 * c.total - 4 * c.total - 2 * 16 * memory.lora_count(cfg, 16)) / 8
@@ -660,7 +661,8 @@ def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
 
 def test_memory_planner_formulas_vs_measured():
     """Parameter counts against the model; training state (16 B/param) against a real AdamW step; activation bytes
-    against what autograd actually saves (saved_tensors_hooks) for bf16 layers of the real 0.6B/1.7B/8B shapes."""
+    against what autograd actually saves (saved_tensors_hooks; under selective checkpointing also torch's own SAC
+    cache) for bf16 layers of the real 0.6B/1.7B/8B shapes, for each --grad_checkpoint mode."""
     import memory as MM
     for size in ("0.6B", "1.7B", "4B", "8B"):
         cfg = M.Qwen3Config(**M.SIZES[size])
@@ -693,15 +695,27 @@ def test_memory_planner_formulas_vs_measured():
         for layer in mm.model.layers:
             layer.checkpoint = ckpt
         params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
-        seen = {}
+        seen, caches = {}, []
 
         def pack(t):
             st = t.untyped_storage()
             if st.data_ptr() not in params:
                 seen[st.data_ptr()] = st.nbytes()
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
+
+        def selective_context(make=M.selective_context):  # torch's SAC cache: the outputs it keeps
+            contexts = make()
+            caches.append(contexts[0].storage)
+            return contexts
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(M, "selective_context", selective_context)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
+        for cache in caches:
+            for w in torch.utils._pytree.tree_leaves([list(d.values()) for d in cache.values()]):
+                t = getattr(w, "val", None)  # a kept output (torch.utils.checkpoint._VersionWrapper)
+                if torch.is_tensor(t):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
     # the head's chunk: what the entropy (--entropy_coef) adds to the saved tensors, per [chunk, vocab] entry
 
@@ -721,9 +735,10 @@ def test_memory_planner_formulas_vs_measured():
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
         c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
-        for ckpt in (False, True):
+        wants = {"off": MM.act_bytes_per_token_layer(c2), "full": 2 * c2.hidden_size,
+                 "selective": MM.selective_bytes_per_token_layer(c2)}
+        for ckpt, want in wants.items():
             per_layer = (saved_bytes(c2, T, ckpt) - saved_bytes(c1, T, ckpt)) / T
-            want = 2 * c2.hidden_size if ckpt else MM.act_bytes_per_token_layer(c2)
             assert abs(per_layer - want) <= 0.2 * want, (size, ckpt, per_layer, want)
 
 
@@ -733,7 +748,9 @@ def test_memory_planner_formulas_vs_measured():
     (["--model", "1.7B", "--policies", "per_role", "--world", "8"], 0, "fits"),
     (["--model", "8B", "--world", "8"], 0, "fits"),
     (["--model", "8B", "--world", "1"], 1, "use more GPUs"),
-    (["--model", "8B", "--world", "8", "--grad_checkpoint", "false"], 1, "--grad_checkpoint true"),
+    (["--model", "8B", "--world", "8", "--grad_checkpoint", "off"], 1, "--grad_checkpoint full"),
+    (["--model", "8B", "--world", "8", "--grad_checkpoint", "selective"], 1, "--grad_checkpoint full"),
+    (["--model", "1.7B", "--world", "8", "--grad_checkpoint", "selective"], 0, "fits"),
     (["--model", "8B", "--world", "8", "--micro_batch_tokens", "131072"], 1, "lower --micro_batch_tokens"),
     (["--model", "8B", "--world", "8", "--gpu_memory_utilization", "0.9"], 1, "lower --gpu_memory_utilization"),
     (["--model", "8B", "--world", "8", "--gpu_memory_utilization", "0.2"], 1, "cannot hold one 10240-token sequence"),
@@ -763,7 +780,7 @@ def test_real_gpu_run_refuses_before_loading(tmp_path, monkeypatch):
 def test_real_models_default_to_activation_checkpointing(tiny_dir):
     import train as T
     real, tiny = T.configure(["--model", tiny_dir]), T.configure([])
-    assert real["grad_checkpoint"] is True and tiny["grad_checkpoint"] is False
+    assert real["grad_checkpoint"] == "full" and tiny["grad_checkpoint"] == "off"
     assert real["tis_cap"] == 2.0 and tiny["tis_cap"] == 0.0
     # real models keep the paper's group std from step 0; the tiny Plan-Path default divides by the step's std for the
     # whole run (--batch_std_steps applies to --scale_rewards group only); the compact Sokoban and Sudoku keep the
@@ -1023,13 +1040,51 @@ def test_gpu_check_steps_carry_a_gradient(tiny_dir, tmp_path):
         assert rec["zero_var_frac"] == 1.0 and moved and len(norms) == (1 if design == "shared" else 2), rec
 
 
-def test_compiled_layers_same_loss_as_eager(tiny_dir):
-    """Per-block torch.compile (in place, as torchtitan does): same log-probs and gradients as eager, names
-    unchanged."""
+def test_checkpoint_modes_same_gradients_and_selective_recomputes_no_matmul():
+    """--grad_checkpoint off / full / selective: the same log-probs and gradients (fp32); full runs the layers'
+    matmuls again in backward (counted at torch's dispatcher), selective none (it keeps their outputs and
+    recomputes only the norms, RoPE, SiLU and adds). What each mode keeps: test_memory_planner_formulas_vs_measured."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    torch.manual_seed(3)
+    cfg = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    ref = M.Qwen3(cfg)
+    ref.init_weights(0.05)
+    ids, _ = random_batch(cfg.vocab_size, [30, 22], seed=3)
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class CountMatmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMatmuls.n += func in matmuls
+            return func(*args, **(kwargs or {}))
+    out = {}
+    for mode in M.CHECKPOINT_MODES:
+        m = copy.deepcopy(ref)
+        for layer in m.model.layers:
+            layer.checkpoint = mode
+        CountMatmuls.n = 0
+        with CountMatmuls():
+            lp = M.token_logprobs(m, ids[:, :-1], ids[:, 1:])
+            lp.sum().backward()
+        out[mode] = (lp.detach(), {n: p.grad for n, p in m.named_parameters()}, CountMatmuls.n)
+    lp0, g0, n0 = out["off"]
+    for mode, (lp, g, n) in out.items():
+        assert (lp - lp0).abs().max().item() < 1e-6, mode
+        assert all((g[k] - g0[k]).abs().max().item() < 1e-6 for k in g0), mode
+    # full recomputes q, k, v, o, gate, up (down's output is only added to the residual: the recompute
+    # stops before it, torch's early stop)
+    assert out["full"][2] - n0 == 6 * cfg.num_hidden_layers and out["selective"][2] == n0
+
+
+@pytest.mark.parametrize("ckpt", ["full", "selective"])
+def test_compiled_layers_same_loss_as_eager(tiny_dir, ckpt):
+    """Per-block torch.compile (in place, as torchtitan does), with full or selective checkpointing inside: same
+    log-probs and gradients as eager, names unchanged."""
     ids, _ = random_batch(261, [40] * 3, seed=7)
     eager, comp = M.load_model(tiny_dir), M.load_model(tiny_dir)
     for layer in comp.model.layers:
-        layer.checkpoint = True
+        layer.checkpoint = ckpt
         layer.compile()
     assert [n for n, _ in comp.named_parameters()] == [n for n, _ in eager.named_parameters()]
     le, lc = (M.token_logprobs(m, ids[:, :-1], ids[:, 1:]) for m in (eager, comp))
@@ -1086,7 +1141,7 @@ def _engine_vs_plan(eng, d, free0, total):
         gpu_gb=total / 2**30,
         n_policies=1,
         micro_batch_tokens=1024,
-        grad_checkpoint=True,
+        grad_checkpoint="full",
         gpu_memory_utilization=0.3,
         max_model_len=1024,
         engine_seqs=256,
@@ -1198,7 +1253,7 @@ def test_cuda_fsdp_bf16_policy_close_to_fp32(tiny_dir):
     ref = M.load_model(tiny_dir, device="cuda")
     lr = -M.token_logprobs(ref, ids[:, :-1], ids[:, 1:]).mean()
     lr.backward()
-    m = M.shard(M.load_model(tiny_dir), checkpoint=True, param_dtype=torch.bfloat16)
+    m = M.shard(M.load_model(tiny_dir), checkpoint="full", param_dtype=torch.bfloat16)
     lm = -M.token_logprobs(m, ids[:, :-1], ids[:, 1:]).mean()
     lm.backward()
     assert abs(lm.item() - lr.item()) < 2e-2 * abs(lr.item())
@@ -2819,7 +2874,7 @@ def test_packed_flex_mask_equals_dense_mask_cpu_forward():
     assert sum(
         t.numel() * t.element_size() for t in bm.as_tuple() if isinstance(t, torch.Tensor)
     ) == memory.block_mask_bytes(1000)
-    kw = dict(world=8, gpu_gb=80, n_policies=1, micro_batch_tokens=16384, grad_checkpoint=True)
+    kw = dict(world=8, gpu_gb=80, n_policies=1, micro_batch_tokens=16384, grad_checkpoint="full")
     cfg = M.Qwen3Config(**M.SIZES["1.7B"])
     row = "packed rows: flex block mask (--pack)"
     on, off = dict(memory.plan(cfg, pack=True, **kw)["rows"])[row], dict(memory.plan(cfg, **kw)["rows"])[row]

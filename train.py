@@ -48,6 +48,7 @@ import sandbox
 import tiny
 from batching import DUMMY, collate, micro_batches
 from grpo_mas import make_rows, ppo_loss, split_minibatches
+from model import CHECKPOINT_MODES
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
@@ -147,7 +148,7 @@ ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
 wandb = ""                 # PROJECT: also log to Weights & Biases (pip install wandb)
 # GPU
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
-grad_checkpoint = True     # activation checkpointing per decoder layer
+grad_checkpoint = "full"   # per decoder layer: full, selective (keep matmul outputs), off
 gpu_memory_utilization = 0.5  # vLLM's share of each GPU while awake
 nccl_timeout_min = 60.0    # collective timeout: above the worst rank skew
 dry_run = False            # print the GPU memory plan and exit (--model 0.6B|1.7B|4B|8B)
@@ -165,7 +166,7 @@ TINY = dict(
     lora_rank=64, lora_alpha=128.0, lora_lr_mult=3.0,
     temperature=0.7, max_new_tokens=8, max_prompt_tokens=256, max_model_len=512,
     micro_batch_tokens=8192, eval_every=10, eval_n=200, ckpt_every=10, time_limit_min=15.0,
-    warmup_steps=150, warmup_moves=4, grad_checkpoint=False, tis_cap=0.0,
+    warmup_steps=150, warmup_moves=4, grad_checkpoint="off", tis_cap=0.0,
     gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
 )
 PRESETS = {
@@ -203,6 +204,7 @@ CHOICES = {
     "search_metric": ["em", "f1"],
     "split": ["strided", "groups"],
     "refill": ["batch", "missing"],
+    "grad_checkpoint": list(CHECKPOINT_MODES),
 }
 FLAGS = {k: v for k, v in globals().items()
          if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
