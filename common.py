@@ -253,7 +253,7 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
         if rank == 0:
             tok.save_pretrained(d)
         if pol.adapter:
-            M.save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
+            save_adapter(m, pol.adapter, os.path.join(ck, f"adapter-{pol.name}"), pol.base, write=rank == 0)
         msd, osd = get_state_dict(m, o, options=StateDictOptions(ignore_frozen_params=bool(pol.adapter)))
         with quiet_single_process_dcp():
             dcp.save({"model": msd, "optim": osd},
@@ -271,6 +271,45 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
     STOP.saving, STOP.ckpt_step = False, step
     if OWN_GROUP:
         dist.barrier()
+
+
+def save_adapter(model, name, path, base_path="", write=True):
+    """One policy's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads.
+    Collective under FSDP2."""
+    from safetensors.torch import save_file
+    state = {}
+    for n, p in model.named_parameters():
+        for ab in ("lora_A", "lora_B"):
+            # PEFT drops the adapter name in files: ...q_proj.lora_A.weight
+            if f".{ab}.{name}." in n:
+                key = "base_model.model." + n.replace(f".{ab}.{name}.", f".{ab}.")
+                state[key] = M.gathered(p).float().contiguous()
+    if not write:
+        return
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    lc = model.lora
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc["r"], "lora_alpha": lc["alpha"],
+                   "target_modules": lc["targets"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                   "use_rslora": False, "inference_mode": True, "base_model_name_or_path": str(base_path)}, f, indent=2)
+
+
+def load_adapter(model, name, path):
+    """Read a PEFT adapter folder into the adapter `name` of a model that `add_lora` prepared
+    (unsharded)."""
+    from safetensors.torch import load_file
+    state = load_file(os.path.join(path, "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    for k, v in state.items():
+        n = k.removeprefix("base_model.model.")
+        for ab in ("lora_A", "lora_B"):
+            n = n.replace(f".{ab}.weight", f".{ab}.{name}.weight")
+        if n not in params:
+            raise ValueError(f"adapter {path!r}: {k} does not match this model's LoRA layers")
+        with torch.no_grad():
+            params[n].copy_(v)
 
 
 @contextlib.contextmanager

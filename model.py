@@ -11,9 +11,10 @@ checkpoints, transformers and vLLM read each other's files unchanged, and weight
 plain name->tensor stream. What this file leaves out: sliding-window attention (Qwen3 dense models
 do not use it), rope scaling (not used at the context lengths of the paper), attention bias, MoE.
 
-Also here: the model sizes (`SIZES`: the tiny one and the real Qwen3 shapes), LoRA in PEFT's layout,
-an FSDP2 sharding helper, and the KV-cache forward that the pure-torch sampler in engines.py decodes
-with. A random model of any size with its byte tokenizer: tiny.build_tiny.
+Also here: the model sizes (`SIZES`: the tiny one and the real Qwen3 shapes), LoRA in PEFT's layout
+(its adapter files: common.save_adapter), an FSDP2 sharding helper, and the KV-cache forward that
+the pure-torch sampler in engines.py decodes with. A random model of any size with its byte
+tokenizer: tiny.build_tiny.
 """
 import json
 import os
@@ -219,25 +220,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-# Activation checkpointing per decoder layer (--grad_checkpoint): "off" keeps every activation;
-# "full" keeps the layer's input and recomputes the whole layer in backward (one more forward);
-# "selective" keeps what the matmul units made (projections, attention) and recomputes the norms,
-# RoPE, SiLU and adds: cheap, memory-bound ops. torchtitan's op-level SAC
-# (torchtitan/distributed/activation_checkpoint.py, SelectiveAC) saves the same kinds of ops and
-# also recomputes every second matmul, to save memory.
+# Activation checkpointing per decoder layer (--grad_checkpoint): off keeps every activation; full
+# keeps the layer's input and recomputes the layer in backward; selective keeps the outputs of
+# matmuls and attention, recomputing only the norms, RoPE, SiLU and adds (torchtitan's SelectiveAC,
+# distributed/activation_checkpoint.py, saves these ops too and recomputes every second matmul)
 CHECKPOINT_MODES = ("off", "full", "selective")
-_aten = torch.ops.aten
-SELECTIVE_SAVE = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
-                  _aten._scaled_dot_product_flash_attention.default,
-                  _aten._scaled_dot_product_efficient_attention.default,
-                  _aten._scaled_dot_product_cudnn_attention.default,
-                  _aten._scaled_dot_product_flash_attention_for_cpu.default,
-                  torch._higher_order_ops.flex_attention}
+SELECTIVE_SAVE = {getattr(torch.ops.aten, op).default for op in (
+    "mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention")} | {torch._higher_order_ops.flex_attention}
 
 
 def _keep_matmuls(ctx, func, *args, **kwargs):
-    keep = func in SELECTIVE_SAVE
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if func in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context():
@@ -492,7 +487,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # ("LoRA Without Regret", Thinking Machines 2025); PEFT calls this target_modules="all-linear"
 
 
-def _full(t):
+def gathered(t):
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -520,9 +515,9 @@ class LoRALinear(nn.Linear):
 
     def merged_weight(self, dtype=None):
         """W + scale B A of the active adapter, full (gathered under FSDP2), computed in fp32."""
-        w = _full(self.weight).float()
-        lora_B = _full(self.lora_B[self.active].weight).float()
-        lora_A = _full(self.lora_A[self.active].weight).float()
+        w = gathered(self.weight).float()
+        lora_B = gathered(self.lora_B[self.active].weight).float()
+        lora_A = gathered(self.lora_A[self.active].weight).float()
         w = w + self.scale * (lora_B @ lora_A)
         return w.to(dtype or self.weight.dtype)
 
@@ -551,44 +546,6 @@ def set_adapter(model, name):
 
 def adapter_parameters(model, name):
     return [p for n, p in model.named_parameters() if f".lora_A.{name}." in n or f".lora_B.{name}." in n]
-
-
-def save_adapter(model, name, path, base_path="", write=True):
-    """One policy's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)` loads.
-    Collective under FSDP2."""
-    from safetensors.torch import save_file
-    state = {}
-    for n, p in model.named_parameters():
-        for ab in ("lora_A", "lora_B"):
-            # PEFT drops the adapter name in files: ...q_proj.lora_A.weight
-            if f".{ab}.{name}." in n:
-                state["base_model.model." + n.replace(f".{ab}.{name}.", f".{ab}.")] = _full(p).float().contiguous()
-    if not write:
-        return
-    os.makedirs(path, exist_ok=True)
-    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    lc = model.lora
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc["r"], "lora_alpha": lc["alpha"],
-                   "target_modules": lc["targets"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-                   "use_rslora": False, "inference_mode": True, "base_model_name_or_path": str(base_path)}, f, indent=2)
-
-
-def load_adapter(model, name, path):
-    """Read a PEFT adapter folder into the adapter `name` of a model that `add_lora` prepared
-    (unsharded)."""
-    from safetensors.torch import load_file
-    state = load_file(os.path.join(path, "adapter_model.safetensors"))
-    params = dict(model.named_parameters())
-    for k, v in state.items():
-        n = k.removeprefix("base_model.model.")
-        for ab in ("lora_A", "lora_B"):
-            n = n.replace(f".{ab}.weight", f".{ab}.{name}.weight")
-        if n not in params:
-            raise ValueError(f"adapter {path!r}: {k} does not match this model's LoRA layers")
-        with torch.no_grad():
-            params[n].copy_(v)
 
 
 # -----------------------------------------------------------------------------

@@ -462,12 +462,12 @@ def test_lora_adapter_files_load_in_peft_and_round_trip(tiny_dir, tmp_path):
     ids = torch.randint(0, 250, (2, 11))
     for name in ("tool", "plan"):
         M.set_adapter(m, name)
-        M.save_adapter(m, name, str(tmp_path / name), tiny_dir)
+        C.save_adapter(m, name, str(tmp_path / name), tiny_dir)
         pm = PeftModel.from_pretrained(hf_model(tiny_dir), str(tmp_path / name)).eval()
         with torch.no_grad():
             assert (pm(ids).logits - m(ids)).abs().max().item() < 1e-5, name
     back = M.add_lora(M.load_model(tiny_dir), ["plan"], 4, 8.0, seed=7)
-    M.load_adapter(back, "plan", str(tmp_path / "plan"))
+    C.load_adapter(back, "plan", str(tmp_path / "plan"))
     ours = dict(m.named_parameters())
     for n, p in back.named_parameters():
         if ".lora_" in n:
