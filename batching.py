@@ -84,7 +84,7 @@ class Batch:
     adv: torch.Tensor
     slp: torch.Tensor
     temp: torch.Tensor  # each target's sampling temperature (the trainer divides its logits by it)
-    # pi_old's log-probs [B, N], or None: pi_old is the current policy (one mini-batch per step)
+    # pi_old's log-probs [B, N], or None: pi_old is the current policy (the first mini-batch)
     old: object
 
 

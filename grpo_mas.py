@@ -350,7 +350,7 @@ class Row:
     adv: list
     slp: list
     temp: list
-    # pi_old's log-probs of `tgt` (a tensor), when the step has several mini-batches
+    # pi_old's log-probs of `tgt` (a tensor), for mini-batches after the step's first
     old: object = None
 
 

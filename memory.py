@@ -63,16 +63,23 @@ def act_bytes_per_token_layer(cfg, b=2):
     return (2 * (4 + b) * h + (4 + 4 * b) * (nh + nkv) * hd + b * nkv * hd + 2 * b * nh * hd + 4 * nh + 4 * b * I)
 
 
-def selective_bytes_per_token_layer(cfg, b=2):
+def selective_bytes_per_token_layer(cfg, b=2, lora_rank=0):
     """Bytes one decoder layer keeps per token under --grad_checkpoint selective (model.SELECTIVE_SAVE):
     its input (b h) and the outputs of its matmuls and attention: q, k, v (b (nh + 2 nkv) hd), the attention
-    output (b nh hd) and logsumexp (4 nh), o_proj (b h), gate and up (2 b I), down (b h)."""
+    output (b nh hd) and logsumexp (4 nh), o_proj (b h), gate and up (2 b I), down (b h). With LoRA each of the
+    7 projections adds its adapter's two matmul outputs: A x (b r) and B A x (as wide as the projection's)."""
     h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    return b * h + b * (nh + 2 * nkv) * hd + b * nh * hd + 4 * nh + 2 * b * h + 2 * b * I
+    projections = b * ((nh + 2 * nkv) * hd + 2 * h + 2 * I)
+    lora = projections + 7 * b * lora_rank if lora_rank else 0
+    return b * h + b * nh * hd + 4 * nh + projections + lora
 
 
-def activation_bytes(cfg, tokens, checkpoint, b=2):
+# --grad_checkpoint's modes (model.CHECKPOINT_MODES), from the most activations kept to the least
+KEEP_LESS = ("off", "selective", "full")
+
+
+def activation_bytes(cfg, tokens, checkpoint, b=2, lora_rank=0):
     """Peak activation bytes of one micro-batch of `tokens` (padded) tokens in forward+backward
     (`checkpoint`: one of model.CHECKPOINT_MODES)."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
@@ -82,7 +89,12 @@ def activation_bytes(cfg, tokens, checkpoint, b=2):
         return L * layer + residual_grads
     # full: each layer keeps its input; selective: its matmul outputs too. Backward recomputes the
     # rest one layer at a time
-    kept = b * h if checkpoint == "full" else selective_bytes_per_token_layer(cfg, b)
+    if checkpoint == "full":
+        kept = b * h
+    elif checkpoint == "selective":
+        kept = selective_bytes_per_token_layer(cfg, b, lora_rank)
+    else:
+        raise ValueError(f"checkpoint={checkpoint!r}: one of off, full, selective")
     return L * kept * tokens + layer + residual_grads
 
 
@@ -194,7 +206,7 @@ def plan(
     ref = n_policies * 4 * c.total / world if kl else 0
     unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
     unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
-    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint)
+    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint, lora_rank=lora_rank)
     logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk, entropy)
     if engine == "vllm":
         awake = gpu_memory_utilization * G
@@ -244,7 +256,8 @@ def plan(
         node_ranks=min(world, 8),
         kv_tokens=int(kv / kv_bytes_per_token(cfg)),
         fix=None,
-        act={mode: activation_bytes(cfg, micro_batch_tokens, mode) / GiB for mode in ("off", "selective", "full")},
+        act={mode: activation_bytes(cfg, micro_batch_tokens, mode, lora_rank=lora_rank) / GiB
+             for mode in KEEP_LESS},
     )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
         res["fits"] = False
@@ -267,21 +280,28 @@ def plan(
             grad_checkpoint,
             engine,
             gpu_memory_utilization,
+            lora_rank,
         )
     return res
 
 
-def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u):
+def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u, lora_rank):
     need_world = next((w for w in (2, 4, 8, 16, 32, 64, 128, 256) if n_policies * 16 * c.total / w < 0.5 * limit), None)
     if states > 0.6 * limit:
         return (f"the sharded training states alone take {states / GiB:.1f} GiB per rank: use more GPUs "
                 f"(torchrun --nproc_per_node / more nodes; about {need_world} ranks fit)"
                 + (", or --policies shared" if n_policies > 1 else ""))
     if phase == "train":
+        def act(mode, tokens=mbt):
+            return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank)
+        # keep less, in order: the first mode whose plan fits
+        for mode in KEEP_LESS[KEEP_LESS.index(ckpt) + 1:]:
+            if tot["train"] - act(ckpt) + act(mode) <= limit:
+                return f"recompute activations in backward: --grad_checkpoint {mode}"
         if ckpt != "full":
             return "recompute each layer's activations in backward: --grad_checkpoint full"
         over = tot["train"] - limit
-        per_tok = (activation_bytes(cfg, mbt, ckpt) - activation_bytes(cfg, mbt // 2, ckpt)) / (mbt - mbt // 2)
+        per_tok = (act(ckpt) - act(ckpt, mbt // 2)) / (mbt - mbt // 2)
         smaller = int(max(1024, mbt - over / per_tok) // 1024 * 1024)
         return f"lower --micro_batch_tokens (now {mbt}) to about {smaller}"
     if engine == "vllm":

@@ -259,6 +259,7 @@ class DecoderLayer(nn.Module):
             return self._forward(x, cos, sin, mask, cache, start)
         if self.checkpoint == "full":
             return checkpoint(self._forward, *args, use_reentrant=False)
+        assert self.checkpoint == "selective", self.checkpoint
         return checkpoint(self._forward, *args, use_reentrant=False, context_fn=selective_context)
 
 
@@ -571,6 +572,8 @@ def shard(model, mesh=None, checkpoint="off", param_dtype=None, compile=False):
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint={checkpoint!r}: one of {CHECKPOINT_MODES}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     body = model.model
     for layer in body.layers:

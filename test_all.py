@@ -681,7 +681,7 @@ def test_memory_planner_formulas_vs_measured():
     }
     assert abs(sum(held.values()) - 16 * MM.counts(cfg).total) < 0.01 * 16 * MM.counts(cfg).total
 
-    def saved_bytes(c, T, ckpt):
+    def saved_bytes(c, T, ckpt, lora_rank=0):
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)  # bf16 storage, no init pass: only the shapes of what is saved matter
         try:
@@ -692,6 +692,8 @@ def test_memory_planner_formulas_vs_measured():
                 p.data.normal_(0, 0.02)
         finally:
             torch.set_default_dtype(torch.float32)
+        if lora_rank:
+            M.add_lora(mm, ["a"], lora_rank, 2.0 * lora_rank)
         for layer in mm.model.layers:
             layer.checkpoint = ckpt
         params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
@@ -735,11 +737,15 @@ def test_memory_planner_formulas_vs_measured():
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
         c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
-        wants = {"off": MM.act_bytes_per_token_layer(c2), "full": 2 * c2.hidden_size,
-                 "selective": MM.selective_bytes_per_token_layer(c2)}
-        for ckpt, want in wants.items():
-            per_layer = (saved_bytes(c2, T, ckpt) - saved_bytes(c1, T, ckpt)) / T
-            assert abs(per_layer - want) <= 0.2 * want, (size, ckpt, per_layer, want)
+        # the hand count of everything a layer saves: within 20%; what checkpointing keeps: exactly
+        per_layer = (saved_bytes(c2, T, "off") - saved_bytes(c1, T, "off")) / T
+        want = MM.act_bytes_per_token_layer(c2)
+        assert abs(per_layer - want) <= 0.2 * want, (size, per_layer, want)
+        wants = {("full", 0): 2 * c2.hidden_size, ("selective", 0): MM.selective_bytes_per_token_layer(c2),
+                 ("selective", 16): MM.selective_bytes_per_token_layer(c2, lora_rank=16)}
+        for (ckpt, r), want in wants.items():
+            per_layer = (saved_bytes(c2, T, ckpt, r) - saved_bytes(c1, T, ckpt, r)) / T
+            assert per_layer == want, (size, ckpt, r, per_layer, want)
 
 
 @pytest.mark.parametrize("argv,code,says", [
@@ -751,6 +757,8 @@ def test_memory_planner_formulas_vs_measured():
     (["--model", "8B", "--world", "8", "--grad_checkpoint", "off"], 1, "--grad_checkpoint full"),
     (["--model", "8B", "--world", "8", "--grad_checkpoint", "selective"], 1, "--grad_checkpoint full"),
     (["--model", "1.7B", "--world", "8", "--grad_checkpoint", "selective"], 0, "fits"),
+    (["--model", "1.7B", "--world", "8", "--grad_checkpoint", "off", "--micro_batch_tokens", "24576"], 1,
+     "--grad_checkpoint selective"),
     (["--model", "8B", "--world", "8", "--micro_batch_tokens", "131072"], 1, "lower --micro_batch_tokens"),
     (["--model", "8B", "--world", "8", "--gpu_memory_utilization", "0.9"], 1, "lower --gpu_memory_utilization"),
     (["--model", "8B", "--world", "8", "--gpu_memory_utilization", "0.2"], 1, "cannot hold one 10240-token sequence"),
@@ -1075,6 +1083,12 @@ def test_checkpoint_modes_same_gradients_and_selective_recomputes_no_matmul():
     # full recomputes q, k, v, o, gate, up (down's output is only added to the residual: the recompute
     # stops before it, torch's early stop)
     assert out["full"][2] - n0 == 6 * cfg.num_hidden_layers and out["selective"][2] == n0
+    import memory
+    with pytest.raises(ValueError, match="one of off, full, selective"):
+        memory.activation_bytes(cfg, 16, True)  # the old boolean flag's value
+    m.model.layers[0].checkpoint = True
+    with pytest.raises(AssertionError):
+        M.token_logprobs(m, ids[:, :-1], ids[:, 1:])
 
 
 @pytest.mark.parametrize("ckpt", ["full", "selective"])
