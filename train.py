@@ -257,9 +257,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
     flex = cfg["pack"] and device.type == "cuda"  # flex attention at bucketed shapes (bucket_length)
     stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
-    # pi_old: the trainer's log-probs before the first update (not the sampler's). The first
-    # mini-batch needs no forward for it: nothing has moved yet, so pi_old is its own log-probs,
-    # detached below (verl dp_actor.py does this when there is one mini-batch)
+    # pi_old: the trainer's log-probs before the first update (not the sampler's); the first
+    # mini-batch's are its own, detached below (verl dp_actor.py: when there is one mini-batch)
     if n_mini > 1:
         with torch.no_grad():
             for chunk in chunks[1:]:
