@@ -6,8 +6,8 @@ Per-rank GPU memory of a training run, computed from the configuration alone, be
 A real GPU run calls the same `plan` first and refuses a configuration that cannot fit, naming the flag to change.
 Why a separate file: the arithmetic is one concept (what lives on the GPU in each phase of a step), it is long,
 and train.py should read as the training loop. The formulas are checked against memory measured on CPU for small
-random models in test_all.py (states exactly, activations within 20%), and against a real step on an H100 in
-docs/gpu.md.
+random models in test_all.py (states exactly; activations within 20% without checkpointing, to the byte with
+it), and against a real step on an H100 in docs/gpu.md.
 
 What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute, fp32 master weights):
   rollout     FSDP2 states of every policy (fp32 params + grads + AdamW m, v = 16 N / W bytes) + the engine awake
@@ -21,6 +21,8 @@ What lives on a GPU, per phase of one step (N parameters, W ranks, bf16 compute,
 plus the CUDA context, cuBLAS workspace and NCCL buffers outside torch's allocator (context_bytes, an estimate).
 """
 from dataclasses import dataclass
+
+from model import CHECKPOINT_MODES
 
 GiB = 2 ** 30
 # Estimates from vLLM 0.32's and NCCL's sources and published sizes (docs/gpu.md, "Planner constants"), not measured:
@@ -73,10 +75,6 @@ def selective_bytes_per_token_layer(cfg, b=2, lora_rank=0):
     projections = b * ((nh + 2 * nkv) * hd + 2 * h + 2 * I)
     lora = projections + 7 * b * lora_rank if lora_rank else 0
     return b * h + b * nh * hd + 4 * nh + projections + lora
-
-
-# --grad_checkpoint's modes (model.CHECKPOINT_MODES), from the most activations kept to the least
-KEEP_LESS = ("off", "selective", "full")
 
 
 def activation_bytes(cfg, tokens, checkpoint, b=2, lora_rank=0):
@@ -257,7 +255,7 @@ def plan(
         kv_tokens=int(kv / kv_bytes_per_token(cfg)),
         fix=None,
         act={mode: activation_bytes(cfg, micro_batch_tokens, mode, lora_rank=lora_rank) / GiB
-             for mode in KEEP_LESS},
+             for mode in CHECKPOINT_MODES},
     )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
         res["fits"] = False
@@ -295,7 +293,7 @@ def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, eng
         def act(mode, tokens=mbt):
             return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank)
         # keep less, in order: the first mode whose plan fits
-        for mode in KEEP_LESS[KEEP_LESS.index(ckpt) + 1:]:
+        for mode in CHECKPOINT_MODES[CHECKPOINT_MODES.index(ckpt) + 1:]:
             if tot["train"] - act(ckpt) + act(mode) <= limit:
                 return f"recompute activations in backward: --grad_checkpoint {mode}"
         if ckpt != "full":

@@ -224,7 +224,7 @@ class MLP(nn.Module):
 # keeps the layer's input and recomputes the layer in backward; selective keeps the outputs of
 # matmuls and attention, recomputing only the norms, RoPE, SiLU and adds (torchtitan's SelectiveAC,
 # distributed/activation_checkpoint.py, saves these ops too and recomputes every second matmul)
-CHECKPOINT_MODES = ("off", "full", "selective")
+CHECKPOINT_MODES = ("off", "selective", "full")  # from the most activations kept to the least
 SELECTIVE_SAVE = {getattr(torch.ops.aten, op).default for op in (
     "mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -254,9 +254,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask=None, cache=None, start=0):
-        args = (x, cos, sin, mask, None, 0)
         if self.checkpoint == "off" or not self.training or cache is not None:
             return self._forward(x, cos, sin, mask, cache, start)
+        args = (x, cos, sin, mask, None, 0)
         if self.checkpoint == "full":
             return checkpoint(self._forward, *args, use_reentrant=False)
         assert self.checkpoint == "selective", self.checkpoint
