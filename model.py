@@ -203,10 +203,17 @@ def flex(q, k, v, **kw):
         if q.device.type == "cuda":
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        FLEX_RECOMPILE_LIMIT)
-            _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+            _FLEX["cuda"] = compiled_flex()
         else:
             _FLEX[q.device.type] = flex_attention
     return _FLEX[q.device.type](q, k, v, **kw)
+
+
+def compiled_flex():
+    """flex_attention through Inductor, its kernel wrapped as one op (inductor_compiled_code) that
+    selective checkpointing sees and keeps; unwrapped, it runs below torch's dispatcher and backward
+    recomputes it (torchtitan `models/common/attention.py` compiles flex with the same option)."""
+    return torch.compile(flex_attention, dynamic=False, options={"wrap_inductor_compiled_regions": True})
 
 
 class MLP(nn.Module):
@@ -228,7 +235,8 @@ CHECKPOINT_MODES = ("off", "selective", "full")  # from the most activations kep
 SELECTIVE_SAVE = {getattr(torch.ops.aten, op).default for op in (
     "mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention")} | {torch._higher_order_ops.flex_attention}
+    "_scaled_dot_product_cudnn_attention")} | {torch._higher_order_ops.flex_attention,
+                                                torch._higher_order_ops.inductor_compiled_code}
 
 
 def _keep_matmuls(ctx, func, *args, **kwargs):

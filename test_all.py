@@ -1091,6 +1091,31 @@ def test_checkpoint_modes_same_gradients_and_selective_recomputes_no_matmul():
         M.token_logprobs(m, ids[:, :-1], ids[:, 1:])
 
 
+def test_selective_keeps_the_compiled_flex_kernel():
+    """Packed rows on CUDA run flex attention compiled by Inductor (model.compiled_flex). Under --grad_checkpoint
+    selective with eager layers its kernel must be one op that torch's SAC sees and keeps, as torchtitan compiles
+    flex (`wrap_inductor_compiled_regions`, models/common/attention.py): before, it ran below the dispatcher and
+    was recomputed in backward as under full. Checked on CPU (the compiled forward; CPU flex has no backward): the
+    decisions torch's SAC asks of model.selective_context's policy, and the output against eager flex."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = create_block_mask(lambda b, h, i, j: i >= j, 1, 2, 128, 128, device="cpu")
+    w = torch.ones((), requires_grad=True)  # the checkpointed region needs a grad path; q, k, v cannot have one
+    seen = []
+    policy = M._keep_matmuls
+
+    def recorded(ctx, func, *args, **kwargs):
+        seen.append((str(func), policy(ctx, func, *args, **kwargs)))
+        return seen[-1][1]
+    flex = M.compiled_flex()
+    y = checkpoint(lambda w: flex(q, k, v, block_mask=mask) * w, w, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(recorded))
+    assert (y - flex_attention(q, k, v, block_mask=mask)).abs().max().item() < 1e-5
+    kept = [name for name, decision in seen if decision == CheckpointPolicy.MUST_SAVE]
+    assert kept == ["inductor_compiled_code"], seen
+
+
 @pytest.mark.parametrize("ckpt", ["full", "selective"])
 def test_compiled_layers_same_loss_as_eager(tiny_dir, ckpt):
     """Per-block torch.compile (in place, as torchtitan does), with full or selective checkpointing inside: same
@@ -2902,6 +2927,41 @@ def test_packed_flex_mask_equals_dense_mask_cuda(shape):
     default's shape with rows under 128 tokens crashed torch 2.11's flex lowering (its decoding kernel) on an H100
     until collate padded flex rows to whole 128-blocks."""
     _packed_flex_vs_dense("cuda", grad=True, shape=shape)
+
+
+@needs_cuda
+def test_selective_keeps_packed_flex_cuda(monkeypatch):
+    """Packed rows on CUDA with eager layers: --grad_checkpoint selective gives full's gradients, and SAC keeps each
+    layer's compiled flex kernel (one inductor_compiled_code per layer, kept in forward; in backward's recompute it
+    is read from SAC's cache, not run again). The CPU half: test_selective_keeps_the_compiled_flex_kernel."""
+    import train as T
+    from torch.utils.checkpoint import CheckpointPolicy
+    torch.manual_seed(3)
+    mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
+    ref = M.Qwen3(mc).cuda()
+    ref.init_weights(0.05)
+    b = batching.collate(G.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True),
+                         torch.device("cuda"), flex=True)
+    seen, policy = [], M._keep_matmuls
+
+    def recorded(ctx, func, *args, **kwargs):
+        seen.append((ctx.is_recompute, str(func), policy(ctx, func, *args, **kwargs)))
+        return seen[-1][2]
+    monkeypatch.setattr(M, "_keep_matmuls", recorded)
+    grads = {}
+    for mode in ("full", "selective"):
+        m = copy.deepcopy(ref)
+        for layer in m.model.layers:
+            layer.checkpoint = mode
+        (T.row_logprobs(m, b) * b.w * b.adv).sum().backward()
+        grads[mode] = [p.grad for p in m.parameters()]
+    for x, y in zip(grads["full"], grads["selective"]):
+        assert ((x - y).norm() / y.norm()).item() <= 1e-5
+    # one kernel per layer, kept in forward (torch 2.11 asks the policy again in the recompute, 2.13 reads the
+    # forward's decision): what is kept is served from SAC's cache, not run again
+    kernels = [(again, keep) for again, name, keep in seen if name == "inductor_compiled_code"]
+    assert [keep for again, keep in kernels if not again] == [CheckpointPolicy.MUST_SAVE] * mc.num_hidden_layers
+    assert all(keep == CheckpointPolicy.MUST_SAVE for _, keep in kernels), seen
 
 
 def _one_packed_row(length, vocab=101, seed=0):
