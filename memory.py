@@ -65,21 +65,24 @@ def act_bytes_per_token_layer(cfg, b=2):
     return (2 * (4 + b) * h + (4 + 4 * b) * (nh + nkv) * hd + b * nkv * hd + 2 * b * nh * hd + 4 * nh + 4 * b * I)
 
 
-def selective_bytes_per_token_layer(cfg, b=2, lora_rank=0):
+def selective_bytes_per_token_layer(cfg, b=2, lora_rank=0, flex_kernel=False):
     """Bytes one decoder layer keeps per token under --grad_checkpoint selective (model.SELECTIVE_SAVE):
     its input (b h) and the outputs of its matmuls and attention: q, k, v (b (nh + 2 nkv) hd), the attention
     output (b nh hd) and logsumexp (4 nh), o_proj (b h), gate and up (2 b I), down (b h). With LoRA each of the
-    7 projections adds its adapter's two matmul outputs: A x (b r) and B A x (as wide as the projection's)."""
+    7 projections adds its adapter's two matmul outputs: A x (b r) and B A x (as wide as the projection's).
+    `flex_kernel` (packed rows through eager layers on CUDA): the kept op is the compiled flex kernel, whose
+    outputs hold what its backward needs, its inputs too: the RoPE'd q and k (b (nh + nkv) hd) stay alive."""
     h, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     projections = b * ((nh + 2 * nkv) * hd + 2 * h + 2 * I)
     lora = projections + 7 * b * lora_rank if lora_rank else 0
-    return b * h + b * nh * hd + 4 * nh + projections + lora
+    rope_qk = b * (nh + nkv) * hd if flex_kernel else 0
+    return b * h + b * nh * hd + 4 * nh + projections + lora + rope_qk
 
 
-def activation_bytes(cfg, tokens, checkpoint, b=2, lora_rank=0):
+def activation_bytes(cfg, tokens, checkpoint, b=2, lora_rank=0, flex_kernel=False):
     """Peak activation bytes of one micro-batch of `tokens` (padded) tokens in forward+backward
-    (`checkpoint`: one of model.CHECKPOINT_MODES)."""
+    (`checkpoint`: one of model.CHECKPOINT_MODES; `flex_kernel`: see selective_bytes_per_token_layer)."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     layer = act_bytes_per_token_layer(cfg, b) * tokens
     residual_grads = 2 * b * h * tokens  # the incoming/outgoing gradient of the residual
@@ -90,7 +93,7 @@ def activation_bytes(cfg, tokens, checkpoint, b=2, lora_rank=0):
     if checkpoint == "full":
         kept = b * h
     elif checkpoint == "selective":
-        kept = selective_bytes_per_token_layer(cfg, b, lora_rank)
+        kept = selective_bytes_per_token_layer(cfg, b, lora_rank, flex_kernel)
     else:
         raise ValueError(f"checkpoint={checkpoint!r}: one of off, full, selective")
     return L * kept * tokens + layer + residual_grads
@@ -186,6 +189,7 @@ def plan(
     kl=False,
     logits_chunk=1024,
     pack=False,
+    compile=False,
     lora_rank=0,
     entropy=False,
     engine_seqs=256,
@@ -204,7 +208,8 @@ def plan(
     ref = n_policies * 4 * c.total / world if kl else 0
     unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
     unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
-    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint, lora_rank=lora_rank)
+    flex_kernel = pack and not compile  # packed rows through eager layers: the compiled flex kernel
+    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint, lora_rank=lora_rank, flex_kernel=flex_kernel)
     logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk, entropy)
     if engine == "vllm":
         awake = gpu_memory_utilization * G
@@ -254,7 +259,7 @@ def plan(
         node_ranks=min(world, 8),
         kv_tokens=int(kv / kv_bytes_per_token(cfg)),
         fix=None,
-        act={mode: activation_bytes(cfg, micro_batch_tokens, mode, lora_rank=lora_rank) / GiB
+        act={mode: activation_bytes(cfg, micro_batch_tokens, mode, lora_rank=lora_rank, flex_kernel=flex_kernel) / GiB
              for mode in CHECKPOINT_MODES},
     )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
@@ -279,11 +284,12 @@ def plan(
             engine,
             gpu_memory_utilization,
             lora_rank,
+            flex_kernel,
         )
     return res
 
 
-def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u, lora_rank):
+def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u, lora_rank, flex_kernel):
     need_world = next((w for w in (2, 4, 8, 16, 32, 64, 128, 256) if n_policies * 16 * c.total / w < 0.5 * limit), None)
     if states > 0.6 * limit:
         return (f"the sharded training states alone take {states / GiB:.1f} GiB per rank: use more GPUs "
@@ -291,7 +297,7 @@ def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, eng
                 + (", or --policies shared" if n_policies > 1 else ""))
     if phase == "train":
         def act(mode, tokens=mbt):
-            return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank)
+            return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank, flex_kernel=flex_kernel)
         # keep less, in order: the first mode whose plan fits
         for mode in CHECKPOINT_MODES[CHECKPOINT_MODES.index(ckpt) + 1:]:
             if tot["train"] - act(ckpt) + act(mode) <= limit:
@@ -365,6 +371,7 @@ def plan_for(cfg, world, gpu_gb):
         kl=cfg["kl_coef"] > 0,
         entropy=cfg["entropy_coef"] > 0,
         pack=cfg["pack"],
+        compile=cfg["compile"],
         lora_rank=cfg["lora_rank"] if lora else 0,
         engine_seqs=P.engine_seqs(cfg, world),
         engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),

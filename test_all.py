@@ -659,6 +659,50 @@ def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
     assert r["streamed"] < 3 * largest + 4 * 2 ** 20, (r, largest)  # ... and the streamed sync makes none
 
 
+def _kept_bytes(c, ckpt, lora_rank=0, device="cpu", batch=None):
+    """Bytes a bf16 model of config `c` keeps for backward after a forward in training mode (storages, parameters
+    excluded): what autograd saves (saved_tensors_hooks) and, under selective checkpointing, torch's own SAC cache.
+    `batch`: (input_ids, position_ids, mask); default 32 random tokens."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # bf16 storage, no init pass: only the shapes of what is saved matter
+    try:
+        with torch.device("meta"):
+            mm = M.Qwen3(c)
+        mm.to_empty(device=device)
+        for p in mm.parameters():
+            p.data.normal_(0, 0.02)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if lora_rank:
+        M.add_lora(mm, ["a"], lora_rank, 2.0 * lora_rank)
+    for layer in mm.model.layers:
+        layer.checkpoint = ckpt
+    ids, pos, mask = batch or (torch.randint(0, c.vocab_size, (1, 32)), None, None)
+    params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
+    seen, caches = {}, []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    def selective_context(make=M.selective_context):  # torch's SAC cache: the outputs it keeps
+        contexts = make()
+        caches.append(contexts[0].storage)
+        return contexts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "selective_context", selective_context)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mm.hidden(ids, position_ids=pos, mask=mask)
+    for cache in caches:
+        for w in torch.utils._pytree.tree_leaves([list(d.values()) for d in cache.values()]):
+            t = getattr(w, "val", None)  # a kept output (torch.utils.checkpoint._VersionWrapper)
+            if torch.is_tensor(t):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def test_memory_planner_formulas_vs_measured():
     """Parameter counts against the model; training state (16 B/param) against a real AdamW step; activation bytes
     against what autograd actually saves (saved_tensors_hooks; under selective checkpointing also torch's own SAC
@@ -681,44 +725,6 @@ def test_memory_planner_formulas_vs_measured():
     }
     assert abs(sum(held.values()) - 16 * MM.counts(cfg).total) < 0.01 * 16 * MM.counts(cfg).total
 
-    def saved_bytes(c, T, ckpt, lora_rank=0):
-        torch.manual_seed(0)
-        torch.set_default_dtype(torch.bfloat16)  # bf16 storage, no init pass: only the shapes of what is saved matter
-        try:
-            with torch.device("meta"):
-                mm = M.Qwen3(c)
-            mm.to_empty(device="cpu")
-            for p in mm.parameters():
-                p.data.normal_(0, 0.02)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        if lora_rank:
-            M.add_lora(mm, ["a"], lora_rank, 2.0 * lora_rank)
-        for layer in mm.model.layers:
-            layer.checkpoint = ckpt
-        params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
-        seen, caches = {}, []
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        def selective_context(make=M.selective_context):  # torch's SAC cache: the outputs it keeps
-            contexts = make()
-            caches.append(contexts[0].storage)
-            return contexts
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(M, "selective_context", selective_context)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                mm.hidden(torch.randint(0, c.vocab_size, (1, T)))
-        for cache in caches:
-            for w in torch.utils._pytree.tree_leaves([list(d.values()) for d in cache.values()]):
-                t = getattr(w, "val", None)  # a kept output (torch.utils.checkpoint._VersionWrapper)
-                if torch.is_tensor(t):
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
     # the head's chunk: what the entropy (--entropy_coef) adds to the saved tensors, per [chunk, vocab] entry
 
     def head_saved(entropy):
@@ -733,18 +739,18 @@ def test_memory_planner_formulas_vs_measured():
         return sum(seen.values()) / (64 * 1000)
     assert head_saved(True) - head_saved(False) == pytest.approx(4.0, abs=0.01)  # memory.logits_bytes: the +4 of +16
 
-    T = 32
+    T = 32  # _kept_bytes' default batch
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
         c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
         # the hand count of everything a layer saves: within 20%; what checkpointing keeps: exactly
-        per_layer = (saved_bytes(c2, T, "off") - saved_bytes(c1, T, "off")) / T
+        per_layer = (_kept_bytes(c2, "off") - _kept_bytes(c1, "off")) / T
         want = MM.act_bytes_per_token_layer(c2)
         assert abs(per_layer - want) <= 0.2 * want, (size, per_layer, want)
         wants = {("full", 0): 2 * c2.hidden_size, ("selective", 0): MM.selective_bytes_per_token_layer(c2),
                  ("selective", 16): MM.selective_bytes_per_token_layer(c2, lora_rank=16)}
         for (ckpt, r), want in wants.items():
-            per_layer = (saved_bytes(c2, T, ckpt, r) - saved_bytes(c1, T, ckpt, r)) / T
+            per_layer = (_kept_bytes(c2, ckpt, r) - _kept_bytes(c1, ckpt, r)) / T
             assert per_layer == want, (size, ckpt, r, per_layer, want)
 
 
@@ -2962,6 +2968,23 @@ def test_selective_keeps_packed_flex_cuda(monkeypatch):
     kernels = [(again, keep) for again, name, keep in seen if name == "inductor_compiled_code"]
     assert [keep for again, keep in kernels if not again] == [CheckpointPolicy.MUST_SAVE] * mc.num_hidden_layers
     assert all(keep == CheckpointPolicy.MUST_SAVE for _, keep in kernels), seen
+
+
+@needs_cuda
+def test_memory_planner_selective_packed_flex_cuda():
+    """What selective checkpointing keeps per token and layer for packed rows through eager layers on CUDA (the
+    compiled flex kernel kept whole, its RoPE'd q and k with it) equals memory.py's count with flex_kernel, for the
+    1.7B and 8B layer shapes (bf16; a 1-layer model's bytes subtracted from a 2-layer one's). Calibrates the planner:
+    a failure prints the measured bytes."""
+    import memory as MM
+    for size in ("1.7B", "8B"):
+        shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
+        c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
+        b = batching.collate(G.make_rows(_one_packed_row(1000, c1.vocab_size), True), torch.device("cuda"), flex=True)
+        batch = (b.ids, b.pos, b.attn)
+        per_layer = (_kept_bytes(c2, "selective", device="cuda", batch=batch)
+                     - _kept_bytes(c1, "selective", device="cuda", batch=batch)) / b.ids.numel()
+        assert per_layer == MM.selective_bytes_per_token_layer(c2, flex_kernel=True), (size, per_layer)
 
 
 def _one_packed_row(length, vocab=101, seed=0):
