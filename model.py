@@ -212,7 +212,8 @@ def flex(q, k, v, **kw):
 def compiled_flex():
     """flex_attention through Inductor, its kernel wrapped as one op (inductor_compiled_code) that
     selective checkpointing sees and keeps; unwrapped, it runs below torch's dispatcher and backward
-    recomputes it (torchtitan `models/common/attention.py` compiles flex with the same option)."""
+    recomputes it (torchtitan `models/common/attention.py` compiles flex with the same option).
+    One compiled region per checkpointed layer: torch 2.11's SAC keeps one queue for all of them."""
     return torch.compile(flex_attention, dynamic=False, options={"wrap_inductor_compiled_regions": True})
 
 

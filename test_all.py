@@ -2966,7 +2966,7 @@ def test_selective_keeps_packed_flex_cuda(monkeypatch):
     # one kernel per layer, kept in forward (torch 2.11 asks the policy again in the recompute, 2.13 reads the
     # forward's decision): what is kept is served from SAC's cache, not run again
     kernels = [(again, keep) for again, name, keep in seen if name == "inductor_compiled_code"]
-    assert [keep for again, keep in kernels if not again] == [CheckpointPolicy.MUST_SAVE] * mc.num_hidden_layers
+    assert [keep for again, keep in kernels if not again] == [CheckpointPolicy.MUST_SAVE] * mc.num_hidden_layers, seen
     assert all(keep == CheckpointPolicy.MUST_SAVE for _, keep in kernels), seen
 
 
