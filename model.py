@@ -195,10 +195,8 @@ def flex(q, k, v, **kw):
     """flex attention, compiled once per device type: on CUDA the compiled kernel skips the
     masked-out blocks of a packed row (the siblings' blocks) and never builds a dense mask; eager
     flex is a slow reference and has no backward on CPU, so the CPU path trains with SDPA and a
-    dense mask and tests use this forward only. (torchtitan `torchtitan/models/attention.py` also
-    compiles flex_attention once and reuses it for every layer.) Static shapes (dynamic=False):
-    packed rows come in bucketed lengths (batching.bucket_length), one kernel each, and Dynamo never
-    switches to a symbolic-length kernel."""
+    dense mask and tests use this forward only. Static shapes (dynamic=False): packed rows come in
+    bucketed lengths (batching.bucket_length), one kernel each, never a symbolic-length one."""
     if q.device.type not in _FLEX:
         if q.device.type == "cuda":
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
@@ -210,10 +208,10 @@ def flex(q, k, v, **kw):
 
 
 def compiled_flex():
-    """flex_attention through Inductor, its kernel wrapped as one op (inductor_compiled_code) that
-    selective checkpointing sees and keeps; unwrapped, it runs below torch's dispatcher and backward
-    recomputes it (torchtitan `models/common/attention.py` compiles flex with the same option).
-    One compiled region per checkpointed layer: torch 2.11's SAC keeps one queue for all of them."""
+    """flex_attention through Inductor, once for every layer (as torchtitan's
+    `models/common/attention.py`), its kernel wrapped as one op (inductor_compiled_code) that
+    selective checkpointing sees and keeps; unwrapped, backward recomputes it. One compiled region
+    per checkpointed layer: torch 2.11's SAC keeps one queue for all of them."""
     return torch.compile(flex_attention, dynamic=False, options={"wrap_inductor_compiled_regions": True})
 
 
