@@ -209,7 +209,10 @@ def plan(
     unit_params = 2 * (2 * c.layer) + 2 * c.embed                    # bf16: two layers + the embedding/head unit
     unit_grads = 6 * (2 * c.layer) + 6 * c.embed                      # bf16 grad + fp32 reduce copy of the same
     flex_kernel = pack and not compile  # packed rows through eager layers: the compiled flex kernel
-    act = activation_bytes(cfg, micro_batch_tokens, grad_checkpoint, lora_rank=lora_rank, flex_kernel=flex_kernel)
+
+    def act_bytes(mode, tokens=micro_batch_tokens):  # one micro-batch's activations under a checkpoint mode
+        return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank, flex_kernel=flex_kernel)
+    act = act_bytes(grad_checkpoint)
     logits = logits_bytes(cfg, micro_batch_tokens, logits_chunk, entropy)
     if engine == "vllm":
         awake = gpu_memory_utilization * G
@@ -259,8 +262,7 @@ def plan(
         node_ranks=min(world, 8),
         kv_tokens=int(kv / kv_bytes_per_token(cfg)),
         fix=None,
-        act={mode: activation_bytes(cfg, micro_batch_tokens, mode, lora_rank=lora_rank, flex_kernel=flex_kernel) / GiB
-             for mode in CHECKPOINT_MODES},
+        act={mode: act_bytes(mode) / GiB for mode in CHECKPOINT_MODES},
     )
     if engine == "vllm" and kv < max_model_len * kv_bytes_per_token(cfg):
         res["fits"] = False
@@ -283,21 +285,18 @@ def plan(
             grad_checkpoint,
             engine,
             gpu_memory_utilization,
-            lora_rank,
-            flex_kernel,
+            act_bytes,
         )
     return res
 
 
-def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u, lora_rank, flex_kernel):
+def _fix(cfg, c, tot, phase, limit, G, states, world, n_policies, mbt, ckpt, engine, u, act):
     need_world = next((w for w in (2, 4, 8, 16, 32, 64, 128, 256) if n_policies * 16 * c.total / w < 0.5 * limit), None)
     if states > 0.6 * limit:
         return (f"the sharded training states alone take {states / GiB:.1f} GiB per rank: use more GPUs "
                 f"(torchrun --nproc_per_node / more nodes; about {need_world} ranks fit)"
                 + (", or --policies shared" if n_policies > 1 else ""))
     if phase == "train":
-        def act(mode, tokens=mbt):
-            return activation_bytes(cfg, tokens, mode, lora_rank=lora_rank, flex_kernel=flex_kernel)
         # keep less, in order: the first mode whose plan fits
         for mode in CHECKPOINT_MODES[CHECKPOINT_MODES.index(ckpt) + 1:]:
             if tot["train"] - act(ckpt) + act(mode) <= limit:
