@@ -1097,28 +1097,34 @@ def test_checkpoint_modes_same_gradients_and_selective_recomputes_no_matmul():
         M.token_logprobs(m, ids[:, :-1], ids[:, 1:])
 
 
-def test_selective_keeps_the_compiled_flex_kernel():
+def _record_selective_policy(monkeypatch):
+    """model's SAC policy, wrapped to record each decision torch asks of it: (in the recompute, op name, policy)."""
+    seen, policy = [], M._keep_matmuls
+
+    def recorded(ctx, func, *args, **kwargs):
+        seen.append((ctx.is_recompute, str(func), policy(ctx, func, *args, **kwargs)))
+        return seen[-1][2]
+    monkeypatch.setattr(M, "_keep_matmuls", recorded)
+    return seen
+
+
+def test_selective_keeps_the_compiled_flex_kernel(monkeypatch):
     """Packed rows on CUDA run flex attention compiled by Inductor (model.compiled_flex). Under --grad_checkpoint
     selective with eager layers its kernel must be one op that torch's SAC sees and keeps, as torchtitan compiles
     flex (`wrap_inductor_compiled_regions`, models/common/attention.py): before, it ran below the dispatcher and
     was recomputed in backward as under full. Checked on CPU (the compiled forward; CPU flex has no backward): the
     decisions torch's SAC asks of model.selective_context's policy, and the output against eager flex."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint
     q, k, v = (torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     mask = create_block_mask(lambda b, h, i, j: i >= j, 1, 2, 128, 128, device="cpu")
     w = torch.ones((), requires_grad=True)  # the checkpointed region needs a grad path; q, k, v cannot have one
-    seen = []
-    policy = M._keep_matmuls
-
-    def recorded(ctx, func, *args, **kwargs):
-        seen.append((str(func), policy(ctx, func, *args, **kwargs)))
-        return seen[-1][1]
+    seen = _record_selective_policy(monkeypatch)
     flex = M.compiled_flex()
     y = checkpoint(lambda w: flex(q, k, v, block_mask=mask) * w, w, use_reentrant=False,
-                   context_fn=lambda: create_selective_checkpoint_contexts(recorded))
+                   context_fn=M.selective_context)
     assert (y - flex_attention(q, k, v, block_mask=mask)).abs().max().item() < 1e-5
-    kept = [name for name, decision in seen if decision == CheckpointPolicy.MUST_SAVE]
+    kept = [name for _, name, decision in seen if decision == CheckpointPolicy.MUST_SAVE]
     assert kept == ["inductor_compiled_code"], seen
 
 
@@ -2948,12 +2954,7 @@ def test_selective_keeps_packed_flex_cuda(monkeypatch):
     ref.init_weights(0.05)
     b = batching.collate(G.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True),
                          torch.device("cuda"), flex=True)
-    seen, policy = [], M._keep_matmuls
-
-    def recorded(ctx, func, *args, **kwargs):
-        seen.append((ctx.is_recompute, str(func), policy(ctx, func, *args, **kwargs)))
-        return seen[-1][2]
-    monkeypatch.setattr(M, "_keep_matmuls", recorded)
+    seen = _record_selective_policy(monkeypatch)
     grads = {}
     for mode in ("full", "selective"):
         m = copy.deepcopy(ref)
