@@ -259,15 +259,14 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
     # pi_old: the trainer's log-probs before the first update (not the sampler's); the first
     # mini-batch's are its own, detached below (verl dp_actor.py: when there is one mini-batch)
-    if n_mini > 1:
-        with torch.no_grad():
-            for chunk in chunks[1:]:
-                for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
-                    # FSDP2 computes in bf16 on GPU
-                    logps = row_logprobs(model, collate(mb, device, flex))
-                    for row, logp in zip(mb, logps):
-                        if row is not DUMMY:
-                            row.old = logp[:len(row.tgt)]
+    with torch.no_grad():
+        for chunk in chunks[1:]:
+            for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
+                # FSDP2 computes in bf16 on GPU
+                logps = row_logprobs(model, collate(mb, device, flex))
+                for row, logp in zip(mb, logps):
+                    if row is not DUMMY:
+                        row.old = logp[:len(row.tgt)]
     for chunk in chunks:
         # the token-mean's denominator: every response token of this optimizer step, on every rank
         n_tokens = C.all_sum([float(sum(len(r.tgt) for r in chunk))])[0]
