@@ -141,7 +141,8 @@ def collate(mb, device, flex=None):
     tgt = torch.zeros(B, N, dtype=torch.long)
     w, adv, slp = torch.zeros(B, N), torch.zeros(B, N), torch.zeros(B, N)
     temp = torch.ones(B, N)
-    old = torch.zeros(B, N) if mb[0].old is not None else None
+    # pi_old in the dtype it was computed in (fp32, or fp64 in the exactness tests)
+    old = torch.zeros(B, N, dtype=mb[0].old.dtype) if mb[0].old is not None else None
     for b, r in enumerate(mb):
         T_r, n = len(r.ids), len(r.tgt)
         ids[b, :T_r] = torch.tensor(r.ids)

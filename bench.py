@@ -9,16 +9,19 @@ one).
     python bench.py env        # environment seconds per step, math and code, scripted policy: serial vs the default
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
     python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
+    python bench.py share      # a busy machine: warm-up and default steps alone and beside busy processes
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
 import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
+import threads  # noqa: F401  (before torch: OpenMP's waiting)
 import torch
 
 import model as M
@@ -507,16 +510,112 @@ def _gpu_update_once(m, opt, samples, cfg):
     return st
 
 
+# -----------------------------------------------------------------------------
+# sharing the machine: each setting in a fresh process (OpenMP reads its environment when torch loads)
+
+SHARE_SETTINGS = {  # name: (environment, torch threads); GOMP_SPINCOUNT=300000 is libgomp's own default spin
+    "spin, 2 threads (before)": ({"GOMP_SPINCOUNT": "300000"}, 2),
+    "spin, 1 thread": ({"GOMP_SPINCOUNT": "300000"}, 1),
+    "passive, 2 threads (threads.py)": ({"OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    "passive, 1 thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+}
+BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
+
+
+def share_child(kind, threads_n, repeats):
+    """In a child process: the median seconds of `kind`'s parts (printed as one JSON line). warmup: the tiny base's
+    format warm-up step (32 compact Plan-Path pairs). step: the CPU default's step on the vLLM engine: collect
+    (generation, the env, the refill), the update, the weight sync."""
+    import random
+    import grpo_mas as G
+    import train as T
+    from rollout import Agents
+    from transformers import AutoTokenizer
+    torch.set_num_threads(threads_n)
+    cfg = T.configure([])
+    base = tiny.base_path(cfg)  # built by the parent, alone
+    tok = AutoTokenizer.from_pretrained(base)
+    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    parts = {}
+    if kind == "warmup":
+        m = M.load_model(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+        rng = random.Random(0)
+        batches = [tiny.warmup_batch("plan", tok, Agents(tok, [], {}), rng, 4, end) for _ in range(repeats + 1)]
+        tiny.sft_step(m, opt, batches[0])  # the first step allocates
+        parts["warmup_step"] = [timeit(lambda b=b: tiny.sft_step(m, opt, b), 1) for b in batches[1:]]
+    else:
+        from policies import make_engine
+        eng = make_engine("vllm", base, seed=0, max_len=cfg["max_model_len"])
+        agents = Agents(tok, [eng], {"tool": 0, "plan": 0}, cfg["max_prompt_tokens"])
+        tasks, _ = T.load_tasks(cfg)
+        m = M.load_model(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
+        parts = {"collect": [], "update": [], "sync": []}
+        for step in range(repeats + 1):
+            t0 = time.perf_counter()
+            batch = T.collect(cfg, step, 0, agents, tasks, cfg["envs_per_step"])
+            t1 = time.perf_counter()
+            samples = G.advantages([x for x in batch.samples if x.response_ids], G.Scheme.of(cfg), step)[0]
+            T.update_policy(m, opt, samples, cfg, 1, torch.device("cpu"))
+            t2 = time.perf_counter()
+            eng.sync(m)
+            t3 = time.perf_counter()
+            if step:  # the first step warms the engine's shapes
+                for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                    parts[k].append(v)
+        parts["step"] = [a + b + c for a, b, c in zip(*parts.values())]
+    print("SHARE " + json.dumps({k: statistics.median(v) for k, v in parts.items()}), flush=True)
+
+
+def bench_share(loads=(0, 2, 4), kinds=("warmup", "step"), repeats=(("warmup", 8), ("step", 3))):
+    """What a busy machine costs each thread setting: the warm-up step and the default's step, alone and beside
+    `loads` busy processes (2 cores: 4 = two per core), every setting in its own process. Medians; each loaded time
+    over the same setting's time alone, and each setting over the settings before (spin, 2 threads) at that load."""
+    import train as T
+    cfg = T.configure([])
+    tiny.build_base(tiny.base_path(cfg), cfg)  # alone, once (cached)
+    rows = []
+    for kind in kinds:
+        for load in loads:
+            for name, (env, n) in SHARE_SETTINGS.items():
+                child_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+                argv = [sys.executable, __file__, "share_child", kind, str(n), str(dict(repeats)[kind])]
+                busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
+                try:
+                    r = subprocess.run(argv, env={**child_env, **env}, capture_output=True, text=True, timeout=3600)
+                finally:
+                    for b in busy:
+                        b.kill()
+                line = [x for x in r.stdout.splitlines() if x.startswith("SHARE ")]
+                if not line:
+                    raise SystemExit(f"share_child {kind} {name} failed: {r.stderr[-2000:]}")
+                rows.append(dict(kind=kind, load=load, setting=name, **json.loads(line[0][6:])))
+                print(json.dumps(rows[-1]), flush=True)
+    main = {"warmup": "warmup_step", "step": "step"}
+    for row in rows:
+        alone = next(r for r in rows if r["kind"] == row["kind"] and r["setting"] == row["setting"] and not r["load"])
+        before = next(r for r in rows if r["kind"] == row["kind"] and r["load"] == row["load"]
+                      and r["setting"] == "spin, 2 threads (before)")
+        key = main[row["kind"]]
+        row["over_alone"] = row[key] / alone[key]
+        row["over_before"] = row[key] / before[key]
+    print(json.dumps({"bench": "sharing the machine: busy processes beside the warm-up step and the default's step, "
+                      f"{os.cpu_count()} cores, medians", "rows": rows}))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(os.cpu_count() or 1)
     which = sys.argv[1] if len(sys.argv) > 1 else "model"
     if which == "env_one":
         bench_env_one(sys.argv[2])
+    elif which == "share_child":
+        share_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif which == "gpu" and len(sys.argv) > 2:
         bench_gpu(sys.argv[2])
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
-                   "train": bench_train, "refill": bench_refill, "gpu": bench_gpu}
+                   "train": bench_train, "refill": bench_refill, "share": bench_share, "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

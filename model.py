@@ -109,9 +109,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in fp32, cast back, then scale: the order HF uses (it matters in bf16)
+        # normalize in fp32 (fp64 stays fp64: the exactness tests), cast back, then scale: the
+        # order HF uses (it matters in bf16)
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -362,7 +363,8 @@ class Qwen3(nn.Module):
 
 
 def _chunk_logprobs(h, w, targets, temperature, entropy=False):
-    logp = ((h @ w.t()).float() / temperature).log_softmax(-1)
+    logits = h @ w.t()  # at least fp32 (fp64 stays fp64: the exactness tests)
+    logp = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
     lp = torch.gather(logp, -1, targets[..., None])[..., 0]
     return torch.stack((lp, -(logp.exp() * logp).sum(-1)), -1) if entropy else lp
 

@@ -33,6 +33,7 @@ test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
 import collections
 import copy
+import functools
 import itertools
 import importlib.util
 import json
@@ -45,6 +46,8 @@ import tempfile
 import time
 
 import pytest
+
+import threads  # noqa: F401  (before torch: OpenMP waits passively; the subprocesses inherit it)
 import torch
 
 import common as C
@@ -55,7 +58,8 @@ import tiny
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-torch.set_num_threads(2)
+if "OMP_NUM_THREADS" not in os.environ:  # set it to run the suite on other thread counts (docs/tests.md)
+    torch.set_num_threads(2)
 
 # -----------------------------------------------------------------------------
 # fixtures: one tiny model folder and one vLLM engine for the session (vLLM takes ~25 s to start on CPU)
@@ -82,6 +86,9 @@ def tiny_dir(tmp_path_factory):
 NO_VLLM = "needs vLLM (setup.sh installs it; a bare GPU box may not have it)"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)
+# ours against an independent implementation at a numeric tolerance: run under every CPU kernel setting
+# (docs/tests.md, "Any CPU"): `pytest -m exact`
+exact = pytest.mark.exact
 
 
 @pytest.fixture(scope="session")
@@ -109,8 +116,24 @@ CPU_RANKS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def hf_model(path, dtype=torch.float32):
+    """transformers' Qwen3, the reference. In float64 (the exactness tests that must hold on any CPU) its RMSNorm
+    normalizes in float64 like ours: HF's norm casts to fp32 whatever the input, and a gradient rounded to fp32
+    there differs with where a sum happens (a packed row sums its siblings' before the norm, per-sample rows after)."""
     from transformers import Qwen3ForCausalLM
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if dtype == torch.float64:
+        for mod in hf.modules():
+            if type(mod).__name__ == "Qwen3RMSNorm":
+                mod.forward = functools.partial(_norm_in_input_precision, mod)
+    return hf
+
+
+def _norm_in_input_precision(norm, x):
+    """HF's Qwen3RMSNorm.forward with one change: it computes in max(x's dtype, fp32), not fp32."""
+    dtype = x.dtype
+    x = x.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
 
 
 def random_batch(vocab, lengths, seed=0):
@@ -137,6 +160,7 @@ PARITY_CONFIGS = [  # tied/untied, head_dim*heads != hidden, GQA ratio 1, 2, 4
 ]
 
 
+@exact
 @pytest.mark.parametrize("i", range(len(PARITY_CONFIGS)))
 def test_forward_matches_transformers_fp32(i, tmp_path):
     cfg = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[i], "max_position_embeddings": 2048})
@@ -192,6 +216,7 @@ def test_config_spellings_and_sizes():
     assert abs(counts["4B"] - 4.02) < 0.03 and abs(counts["8B"] - 8.19) < 0.03
 
 
+@exact
 def test_chunked_logprobs_match_full_softmax():
     cfg = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[0]})
     torch.manual_seed(0)
@@ -214,6 +239,7 @@ def test_chunked_logprobs_match_full_softmax():
     assert (both[..., 1] - ent_ref).abs().max().item() < 1e-5 and (ge - ge_ref).abs().max().item() < 1e-5
 
 
+@exact
 def test_checkpoint_roundtrip_transformers(tiny_dir, tmp_path):
     ours = M.load_model(tiny_dir)
     M.save_model(ours, str(tmp_path))
@@ -254,6 +280,7 @@ def _greedy_ours(model, prompt, n):
     return ids[len(prompt):]
 
 
+@exact
 def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
     from policies import make_engine
     te = make_engine("torch", tiny_dir, seed=0, max_len=1024)
@@ -275,6 +302,7 @@ def test_engine_rejects_too_long_prompt(vllm_engine):
         vllm_engine.generate([[1] * 1020], n=1, max_new_tokens=10)
 
 
+@exact
 def test_torch_sampler_statistics(tiny_dir, cpu_machine):
     # sampled ids' log-probs are the trainer's temperature-scaled log-probs (fp32 engine), and top-p keeps the nucleus
     from policies import make_engine
@@ -290,6 +318,7 @@ def test_torch_sampler_statistics(tiny_dir, cpu_machine):
     assert all(c.ids == greedy.ids for c in top1)
 
 
+@exact
 def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     trainer = M.load_model(tiny_dir)
     original = M.load_model(tiny_dir)
@@ -360,6 +389,7 @@ def _lora_model(tiny_dir, names=("tool", "plan"), r=4, alpha=8.0, seed=0):
     return m
 
 
+@exact
 def test_lora_forward_equals_base_plus_scaled_BA_by_hand(tiny_dir):
     m = _lora_model(tiny_dir, r=4, alpha=8.0)
     lin = m.model.layers[1].mlp.gate_proj
@@ -454,6 +484,7 @@ def test_lora_step_changes_only_its_adapter(tiny_dir):
     assert any(".lora_B.plan." in n for n in moved) and any(".lora_A.plan." in n for n in moved)
 
 
+@exact
 def test_lora_adapter_files_load_in_peft_and_round_trip(tiny_dir, tmp_path):
     """save_adapter writes a PEFT folder: peft.PeftModel on the transformers base gives our logits; our loader
     reads it back into a fresh adapter bit-exactly."""
@@ -531,6 +562,7 @@ C.close_dist()  # a barrier first: a bare destroy aborted rank 1 at exit about 1
 """
 
 
+@exact
 def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
     ids, _ = random_batch(261, [33] * 6, seed=5)
     torch.save(ids, tmp_path / "batch.pt")
@@ -1054,6 +1086,7 @@ def test_gpu_check_steps_carry_a_gradient(tiny_dir, tmp_path):
         assert rec["zero_var_frac"] == 1.0 and moved and len(norms) == (1 if design == "shared" else 2), rec
 
 
+@exact
 def test_checkpoint_modes_same_gradients_and_selective_recomputes_no_matmul():
     """--grad_checkpoint off / full / selective: the same log-probs and gradients (fp32); full runs the layers'
     matmuls again in backward (counted at torch's dispatcher), selective none (it keeps their outputs and
@@ -1108,6 +1141,7 @@ def _record_selective_policy(monkeypatch):
     return seen
 
 
+@exact
 def test_selective_keeps_the_compiled_flex_kernel(monkeypatch):
     """Packed rows on CUDA run flex attention compiled by Inductor (model.compiled_flex). Under --grad_checkpoint
     selective with eager layers its kernel must be one op that torch's SAC sees and keeps, as torchtitan compiles
@@ -1128,6 +1162,7 @@ def test_selective_keeps_the_compiled_flex_kernel(monkeypatch):
     assert kept == ["inductor_compiled_code"], seen
 
 
+@exact
 @pytest.mark.parametrize("ckpt", ["full", "selective"])
 def test_compiled_layers_same_loss_as_eager(tiny_dir, ckpt):
     """Per-block torch.compile (in place, as torchtitan does), with full or selective checkpointing inside: same
@@ -2536,6 +2571,7 @@ def test_std_floor_by_hand():
         G.compute_advantages(ss, "at_grpo", std_floor=-1)
 
 
+@exact
 def test_gigpo_against_verl_agents_recorded_oracle():
     """--algo gigpo against verl-agent's own functions (`gigpo/core_gigpo.py` at 2716b30, run from a scratch
     environment outside the project: compute_step_discounted_returns, then compute_gigpo_outcome_advantage),
@@ -2557,6 +2593,7 @@ def test_gigpo_against_verl_agents_recorded_oracle():
         assert [s.adv for s in ss] == pytest.approx([x["advantage"] for x in rows], rel=1e-5, abs=1e-5), case["name"]
 
 
+@exact
 def test_gigpo_against_dr_mas_recorded_oracle():
     """--algo gigpo in a multi-agent system against Dr. MAS's own functions (its verl/trainer/ppo/
     core_algos.py at 19c632b, run once from a scratch folder outside the project:
@@ -2692,6 +2729,7 @@ def test_gigpo_anchors_are_the_envs_state_not_the_prompt(tiny_dir):
     assert [s.adv for s in ss] == pytest.approx([0.5 + 0.5, -0.5 - 0.5])
 
 
+@exact
 def test_ppo_loss_clip_regions_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.5, 1.1, 5.0]]))  # ratios (old = 0): 0.5, 1.5, 1.1, 5.0
     old = torch.zeros(1, 4)
@@ -2714,6 +2752,7 @@ def test_ppo_loss_clip_regions_by_hand():
     assert lp2.grad[0, 1] == 0 and lp2.grad[0, 3] == 0 and lp2.grad[0, 0] != 0
 
 
+@exact
 def test_log_ratio_clamp_keeps_a_broken_step_finite():
     """A log-ratio near 100 (a stale or broken sync, an overflow) made the loss and every gradient NaN, tokens with
     zero advantage included; clamped to [-20, 20] as verl does, the loss and gradients stay finite, tokens inside
@@ -2730,6 +2769,7 @@ def test_log_ratio_clamp_keeps_a_broken_step_finite():
     assert a.item() == pytest.approx(b, rel=1e-6)
 
 
+@exact
 def test_truncated_importance_sampling_by_hand():
     """Each token's PPO term times min(exp(old - sampler), C), a constant: value and gradient computed by hand."""
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -2746,6 +2786,7 @@ def test_truncated_importance_sampling_by_hand():
     assert plain.item() == pytest.approx(-(r[0] + r[1]) / 2, rel=1e-6)
 
 
+@exact
 def test_entropy_bonus_by_hand():
     """loss = PPO term - coef x entropy, token-mean over the mask; the bonus's gradient is -coef/n per token."""
     lp = torch.log(torch.tensor([[0.5, 1.1, 2.0]]))  # ratios 0.5, 1.1, 2.0 (old = 0)
@@ -2774,6 +2815,7 @@ def test_k3_kl_nonnegative_and_zero_when_equal():
     assert st.kl_sum == 0.0
 
 
+@exact
 def test_token_mean_invariant_to_micro_batch_and_rank_split():
     """Gradient of the step's loss is the same whether 5 sequences go in one micro-batch, in three, or spread over
     two 'ranks' (FSDP averages rank gradients: each rank's loss is scaled by world)."""
@@ -2835,6 +2877,7 @@ def _sibling_groups(seed, n_groups=3, vocab=250):
     return out
 
 
+@exact
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_rows_equal_per_sample_rows(seed):
     """One row per sibling group (prompt once, block mask, continued positions) gives every response token the
@@ -2913,6 +2956,7 @@ def _packed_flex_vs_dense(device, grad, shape=PARITY_CONFIGS[1]):
         assert ((x - y).norm() / y.norm()).item() <= 1e-5
 
 
+@exact
 def test_packed_flex_mask_equals_dense_mask_cpu_forward():
     """The CUDA path's flex-attention block mask admits exactly what the dense mask does: eager flex forward on CPU
     (it has no CPU backward) gives the dense path's log-probs for packed rows."""
@@ -3042,6 +3086,7 @@ def test_packed_row_lengths_bucket_to_few_shapes():
     assert 2 * len(batching.flex_shapes(budget, 2 * budget)) <= M.FLEX_RECOMPILE_LIMIT  # with and without grad
 
 
+@exact
 def test_packed_flex_at_bucketed_length_equals_unpacked():
     """A packed row padded to its bucket (1296 tokens -> 1536, past the next 128-block, 1408) gives every response token
     the log-prob of its sample's own unpacked row (plain causal SDPA), fp32 <= 1e-5: the flex block mask (eager on
@@ -3109,6 +3154,7 @@ def test_minibatch_splits():
         T.main(["--pack", "true", "--split", "strided"])
 
 
+@exact
 @pytest.mark.parametrize("n_mini", [1, 3])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef, monkeypatch):
@@ -3144,13 +3190,15 @@ def test_packed_update_equals_per_sample_update(tiny_dir, n_mini, entropy_coef, 
             assert (wa[k] - wb[k]).abs().max().item() < 1e-5, k
 
 
+@exact
 @pytest.mark.parametrize("pack", [False, True])
 def test_update_against_transformers_ppo_with_pi_old_forwarded_once(tiny_dir, pack, monkeypatch):
     """update_policy with 3 mini-batches lands on the weights of an independent PPO written here on transformers'
     Qwen3 (pi_old: every sample scored before the first optimizer step; then per mini-batch the clipped token-mean
     and one SGD step). And pi_old costs no forward for the first mini-batch: nothing has moved yet, so its pi_old is
-    the trainer's own log-probs, detached (verl `dp_actor.py` does this when there is a single mini-batch)."""
-    from transformers import Qwen3ForCausalLM
+    the trainer's own log-probs, detached (verl `dp_actor.py` does this when there is a single mini-batch).
+    Both sides in float64 (fp32 differed by 1.2e-5 on another CPU's kernels); the advantages are fp32 on both, as
+    the batch holds them."""
     import train as T
     samples = _sibling_groups(7, n_groups=9)
     cfg = {**T.configure([]), "minibatches": 3, "mini_batch_rows": 0, "pack": pack, "split": "groups",
@@ -3161,18 +3209,18 @@ def test_update_against_transformers_ppo_with_pi_old_forwarded_once(tiny_dir, pa
         forwards.append(torch.is_grad_enabled())
         return row_logprobs(model, b, entropy)
     monkeypatch.setattr(T, "row_logprobs", counting)
-    m = M.load_model(tiny_dir)
+    m = M.load_model(tiny_dir, dtype=torch.float64)
     T.update_policy(m, torch.optim.SGD(m.parameters(), lr=0.5), samples, cfg, 1, torch.device("cpu"))
     chunks = G.split_minibatches(samples, 3, "groups")
     first = len(batching.micro_batches(G.make_rows(chunks[0], pack), 60, lambda x: x))
     assert forwards.count(True) == forwards.count(False) + first  # no pi_old forward for mini-batch 1
 
-    hf = Qwen3ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    hf = hf_model(tiny_dir, torch.float64)
     opt = torch.optim.SGD(hf.parameters(), lr=0.5)
 
     def logps(s):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = hf(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        logits = hf(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]
         return logits.log_softmax(-1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
     with torch.no_grad():
         old = {id(s): logps(s) for s in samples}
@@ -3180,20 +3228,23 @@ def test_update_against_transformers_ppo_with_pi_old_forwarded_once(tiny_dir, pa
         n_tokens = sum(len(s.response_ids) for s in chunk)
         loss = 0.0
         for s in chunk:
+            adv = torch.tensor(s.adv, dtype=torch.float32).double()
             ratio = torch.exp(logps(s) - old[id(s)])
             clipped = ratio.clamp(1 - cfg["eps_low"], 1 + cfg["eps_high"])
-            pg = torch.maximum(-s.adv * ratio, -s.adv * clipped)
-            if s.adv < 0:  # dual clip
-                pg = torch.minimum(pg, torch.tensor(-cfg["dual_clip"] * s.adv))
+            pg = torch.maximum(-adv * ratio, -adv * clipped)
+            if adv < 0:  # dual clip
+                pg = torch.minimum(pg, -cfg["dual_clip"] * adv)
             loss = loss + pg.sum() / n_tokens
         loss.backward()
         opt.step()
         opt.zero_grad()
     ours, ref = dict(m.named_parameters()), dict(hf.named_parameters())
-    moved = max((ref[k] - w).abs().max().item() for k, w in M.load_model(tiny_dir).named_parameters())
+    moved = max((ref[k] - w).abs().max().item() for k, w in M.load_model(tiny_dir, torch.float64).named_parameters())
     assert moved > 1e-3  # the steps did move the weights
-    for k in ours:
-        assert (ours[k] - ref[k]).abs().max().item() < 1e-5, k
+    gap = max((ours[k] - ref[k]).abs().max().item() for k in ours)
+    # fp64: 1.6e-14 here; in fp32, 1.2e-5 on another CPU; pi_old stored in fp32 gave 9.4e-8 (packed: 3.6e-7 with
+    # HF's norm in fp32); a planted bug (pi_old = pi_theta always) 0.49
+    assert gap < 1e-9, gap
 
 
 # -----------------------------------------------------------------------------
@@ -3242,6 +3293,7 @@ def test_tree_invariants_sequential(torch_agents):
         assert start[i].pos == start[i].start  # the caller's envs were never stepped
 
 
+@exact
 def test_roles_of_one_policy_sample_and_train_at_their_own_temperatures(tiny_dir, torch_agents):
     """One shared policy plays the tool agent at temperature 0.5 and the plan agent at 1.6 (per-role
     sampling settings): each sample carries the temperature it was drawn at, and the trainer's log-probs
@@ -3696,6 +3748,7 @@ def test_outcome_reward_is_the_trajectorys_final_outcome():
         T.configure(["--task", "search", "--reward", "outcome"])
 
 
+@exact
 def test_bm25_scores_equal_bm25s():
     """The in-process BM25 against bm25s (method "lucene", the same tokens): the same scores on a random
     corpus; the entity's own passage ranks first in a generated world."""
@@ -4262,6 +4315,7 @@ def test_the_plan_default_trains_each_prompt_once():
     assert "pack True" in config.config_line(plan, T.PRESETS)
 
 
+@exact
 def test_lr_schedule_matches_torch_schedulers():
     """--lr_decay D: constant for the first (1 - D) of --steps, then a half cosine to --lr_min x lr, checked step by
     step against torch's own ConstantLR + CosineAnnealingLR chain (an independent implementation); 0 = constant.
@@ -4559,6 +4613,7 @@ def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir, cpu_machine):
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="two vLLM engines in one process: CPU only (on CUDA one "
                     "sleep-mode engine per process, so train.py refuses two bases; the refusal is tested)")
+@exact
 def test_train_two_tiny_sizes_as_tool_and_plan(tmp_path):
     """--policy tool=tiny-small --policy plan=tiny: two bases of different sizes, each with its own engine and
     settings, train in one run; each checkpoint loads in transformers and in vLLM and gives our greedy tokens."""
@@ -4655,6 +4710,7 @@ def test_train_and_eval_math_team_per_type(tmp_path):
         V.main(["--task", "math", "--team", "2,0", "--model", str(out / "ckpt" / "policy-judge")])
 
 
+@exact
 def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine):
     """--policies lora: a 2-step run equals 1 step + resume (adapters and AdamW state from DCP, the base from its
     folder); the exported adapters load in peft on the base and the merged exports equal them."""
@@ -4803,6 +4859,7 @@ def test_time_limit_stops_every_rank_together(tmp_path):
     assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False True"] * 2
 
 
+@exact
 @pytest.mark.parametrize("packed", [False, True])
 def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, packed):
     """Two FSDP2 ranks with uneven sample counts equal one process; packed: sibling groups trained as packed rows on
@@ -4909,6 +4966,7 @@ def test_torchrun_two_ranks_vllm_ends_cleanly(tmp_path):
     assert "Traceback" not in r.stdout + r.stderr and "Invalid process group" not in r.stdout + r.stderr
 
 
+@exact
 def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch, cpu_machine):
     """An engine that stops receiving weights (here: its sync does nothing) shows in |dlogp| and its alarm."""
     base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--warmup_steps", "0", "--steps", "3",

@@ -158,7 +158,6 @@ def _build_base(path, cfg, size):
             rng.setstate(state["rng"])
             first = state["step"]
         agents = Agents(tok, [], {})
-        roles = E.task_roles(task)
         end = [tok.convert_tokens_to_ids("<|im_end|>")]
         total = cfg["warmup_steps"]
         again = f", on from step {first}" if first else ""
@@ -166,19 +165,7 @@ def _build_base(path, cfg, size):
               f"warm-up (cached in {path})", flush=True)
         t0 = t_print = t_save = time.time()
         for it in range(first, total):
-            batch = []
-            for _ in range(32):
-                if task == "search":
-                    batch.append(search_warmup_pair(tok, agents, rng, end))
-                    continue
-                env = E.train_env(task, rng, compact=True)
-                role = rng.choice(roles)
-                if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
-                    env.step("tool", random_answer(task, rng, cfg["warmup_moves"], env))
-                p = agents.render(env.observe(role))
-                batch.append(
-                    (p, tok.encode(random_answer(task, rng, cfg["warmup_moves"], env), add_special_tokens=False) + end)
-                )
+            batch = warmup_batch(task, tok, agents, rng, cfg["warmup_moves"], end)
             loss = sft_step(m, opt, batch)
             now = time.time()
             if now - t_save >= WARMUP_SAVE_S and it + 1 < total:
@@ -197,6 +184,23 @@ def _build_base(path, cfg, size):
     if os.path.exists(state_path):
         os.remove(state_path)
     os.replace(tmp, path)
+
+
+def warmup_batch(task, tok, agents, rng, moves, end, size=32):
+    """One format warm-up batch: `size` (prompt ids, answer ids) pairs, each a random role's
+    observation and a random well-formed answer of up to `moves` moves."""
+    batch, roles = [], E.task_roles(task)
+    for _ in range(size):
+        if task == "search":
+            batch.append(search_warmup_pair(tok, agents, rng, end))
+            continue
+        env = E.train_env(task, rng, compact=True)
+        role = rng.choice(roles)
+        if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
+            env.step("tool", random_answer(task, rng, moves, env))
+        answer = tok.encode(random_answer(task, rng, moves, env), add_special_tokens=False)
+        batch.append((agents.render(env.observe(role)), answer + end))
+    return batch
 
 
 def save_warmup_state(path, m, opt, rng, step):
