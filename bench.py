@@ -568,19 +568,22 @@ def share_child(kind, threads_n, repeats):
     print("SHARE " + json.dumps({k: statistics.median(v) for k, v in parts.items()}), flush=True)
 
 
-def bench_share(loads=(0, 2, 4), kinds=("warmup", "step"), repeats=(("warmup", 8), ("step", 3))):
+SHARE_PLAN = {"warmup": ((0, 2, 4), 8), "step": ((0, 4), 2)}  # kind: (busy processes beside it, timed repeats)
+
+
+def bench_share(plan=SHARE_PLAN):
     """What a busy machine costs each thread setting: the warm-up step and the default's step, alone and beside
-    `loads` busy processes (2 cores: 4 = two per core), every setting in its own process. Medians; each loaded time
+    busy processes (on 2 cores, 4 = two per core), every setting in its own process. Medians; each loaded time
     over the same setting's time alone, and each setting over the settings before (spin, 2 threads) at that load."""
     import train as T
     cfg = T.configure([])
     tiny.build_base(tiny.base_path(cfg), cfg)  # alone, once (cached)
     rows = []
-    for kind in kinds:
+    for kind, (loads, repeats) in plan.items():
         for load in loads:
             for name, (env, n) in SHARE_SETTINGS.items():
                 child_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-                argv = [sys.executable, __file__, "share_child", kind, str(n), str(dict(repeats)[kind])]
+                argv = [sys.executable, __file__, "share_child", kind, str(n), str(repeats)]
                 busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
                 try:
                     r = subprocess.run(argv, env={**child_env, **env}, capture_output=True, text=True, timeout=3600)

@@ -457,6 +457,12 @@ class MetricsLog:
             name = os.path.basename(os.path.abspath(cfg["out_dir"]))
             self.wandb = wandb.init(project=cfg["wandb"], name=name, config=cfg)
 
+    def history(self, key):
+        """`key`'s values in the lines already written: a resumed run's kept lines (rank 0; [] elsewhere)."""
+        if not self.master or not os.path.exists(self.path):
+            return []
+        return [r[key] for r in map(json.loads, open(self.path)) if key in r]
+
     def write(self, rec):
         if self.master:
             with open(self.path, "a") as f:

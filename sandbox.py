@@ -246,7 +246,7 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
         with open(os.path.join(work, "_guard.py"), "w") as f:
             f.write(_LIMITS + _GUARD)
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "SANDBOX_RUN": marker,
-               "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8",
+               "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONIOENCODING": "utf-8",
                "SANDBOX_LIMITS": f"{mem_mb},{int(math.ceil(timeout)) + 1},{out_bytes}"}
         if bwrap_available():
             args, exe, libs = _bwrap_prefix(work)

@@ -702,7 +702,7 @@ def _kept_bytes(c, ckpt, lora_rank=0, device="cpu", batch=None):
             mm = M.Qwen3(c)
         mm.to_empty(device=device)
         for p in mm.parameters():
-            p.data.normal_(0, 0.02)
+            p.data.zero_()  # a memset: random values cost seconds per 8B-shaped layer and change no saved shape
     finally:
         torch.set_default_dtype(torch.float32)
     if lora_rank:
@@ -2200,10 +2200,11 @@ def test_sandbox_parallel_runs_overlap():
 
 @pytest.mark.slow
 def test_reference_solutions_pass_their_tests():
-    rows = []
+    rows, by_file = [], []
     for f in ("code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl",
               "code/train/leetcode_train.jsonl"):
-        rows += E.load_jsonl(os.path.join(E.DATA, f))
+        by_file.append(E.load_jsonl(os.path.join(E.DATA, f)))
+        rows += by_file[-1]
     with_ref = [r for r in rows if E.reference_solution(r)]
     assert len(with_ref) == len(rows)  # every row of these files ships one
     t0 = time.time()
@@ -2212,14 +2213,20 @@ def test_reference_solutions_pass_their_tests():
     failed = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if not J._verdict(x, nonce)[0]]
     print(f"{len(with_ref)} reference solutions in {time.time() - t0:.1f}s; failed: {failed[:5]}")
     assert not failed
-    # and no program that only exits counts as solved on any of these rows (every assert row of the data: HumanEval,
-    # MBPP, LeetCode train and test); the old judge took exit status 0 as a pass and counted all of them
-    tricks = ["import sys\nsys.exit(0)\n", "exit()\n", "quit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n",
-              "def f():\n    pass\nif __name__ == '__main__':\n    import sys\n    sys.exit(0)\n"]
-    progs = [J._program(r, tricks[i % len(tricks)]) for i, r in enumerate(with_ref)]
+    # and no program that only exits counts as solved (HumanEval, MBPP, LeetCode train and test); the old judge took
+    # exit status 0 as a pass and counted all of them. The first five tricks exit while the harness runs the solution,
+    # before any of the row's tests: their verdict is the file's preamble and harness, so 5 rows of each file (every
+    # trick on each). The last one defines a function and lets the row's tests run without a solution: one row in 6
+    # of every file (a row whose tests pass vacuously would count it solved)
+    tricks = ["import sys\nsys.exit(0)\n", "exit()\n", "quit()\n", "import os\nos._exit(0)\n", "raise SystemExit\n"]
+    no_solution = "def f():\n    pass\nif __name__ == '__main__':\n    import sys\n    sys.exit(0)\n"
+    jobs = [(r, t) for rs in by_file for r in rs[:5] for t in tricks]
+    n_exit = len(jobs)
+    jobs += [(r, no_solution) for i, r in enumerate(with_ref) if i % 6 == 5]
+    progs = [J._program(r, t) for r, t in jobs]
     res = S.run_many([(prog, nonce + "\n", 20.0) for prog, nonce in progs])
-    solved = [r["id"] for r, x, (_, nonce) in zip(with_ref, res, progs) if J._verdict(x, nonce)[0]]
-    assert not solved and sum(x.returncode == 0 for x in res) > len(with_ref) // 2  # most exited with status 0
+    solved = [r["id"] for (r, _), x, (_, nonce) in zip(jobs, res, progs) if J._verdict(x, nonce)[0]]
+    assert not solved and sum(x.returncode == 0 for x in res[:n_exit]) > n_exit // 2  # most exited with status 0
 
 
 @pytest.mark.slow
@@ -4521,6 +4528,27 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
 
 
+def test_entry_points_make_openmp_wait_passively():
+    """libgomp itself reports its spin count: 0 (passive waiting) in train.py, eval.py, bench.py and this suite's
+    subprocesses, where its default spins 300,000 times after each parallel region (what made a step ~40x slower on a
+    busy machine: docs/results.md, "Sharing the machine"); a value the user sets wins; model-written programs in
+    the sandbox wait passively too."""
+    import sandbox as S
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def spincount(args, **extra):
+        r = subprocess.run([PY, *args], cwd=HERE, env={**clean, "OMP_DISPLAY_ENV": "verbose", **extra},
+                           capture_output=True, text=True, timeout=120)
+        return [line.split("=")[1].strip(" '") for line in r.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
+    assert spincount(["-c", "import torch"]) == ["300000"]  # libgomp's default: the old entry points
+    for script in ("train.py", "eval.py", "bench.py"):
+        assert spincount([script, "--help"]) == ["0"], script
+    assert spincount(["train.py", "--help"], GOMP_SPINCOUNT="1000") == ["1000"]
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # this process set it: every subprocess of the suite inherits
+    out = S.run_code("import os\nprint(os.environ.get('OMP_WAIT_POLICY'))", cache=False)
+    assert out.stdout.strip() == "PASSIVE", out
+
+
 def test_bad_input_exits_with_one_line_before_anything_loads():
     """As a new user would type them: each stops within seconds with one line naming the fix, exit status 1,
     no traceback, before a model, an engine or the tiny base is built."""
@@ -4710,6 +4738,27 @@ def test_train_and_eval_math_team_per_type(tmp_path):
         V.main(["--task", "math", "--team", "2,0", "--model", str(out / "ckpt" / "policy-judge")])
 
 
+def test_resume_keeps_the_dlogp_alarms_history(tmp_path, monkeypatch):
+    """The sampler/trainer |dlogp| alarm compares a step with the run's recent steps: a resumed run reads them back
+    from its kept metrics, so its alarms (and metrics.jsonl) are the uninterrupted run's. A resume that forgot them
+    (the old code) raised no alarm at step 2 where the uninterrupted run did (on SSE4.2 kernels dlogp passes 1e-5)."""
+    import train as T
+    real = T.update_policy
+
+    def update(model, opt, samples, cfg, world, device, ref=None):  # dlogp 1e-4 per token at step 1, 1e-3 at step 2
+        stats = real(model, opt, samples, cfg, world, device, ref)
+        stats.dlogp = stats.tokens * (1e-4 if opt.state_dict()["state"][0]["step"] <= stats.opt_steps else 1e-3)
+        return stats
+    monkeypatch.setattr(T, "update_policy", update)
+    args = SMOKE + ["--ckpt_every", "1", "--minibatches", "1", "--mini_batch_rows", "0"]
+    T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "a")])
+    T.main(args + ["--steps", "1", "--out_dir", str(tmp_path / "b")])
+    T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "b"), "--resume", "true"])
+    a, b = ([json.loads(l) for l in open(tmp_path / run / "metrics.jsonl")] for run in "ab")
+    assert [r["dlogp_jump_p0"] for r in a] == [False, True]
+    assert [r["dlogp_jump_p0"] for r in b] == [False, True]
+
+
 @exact
 def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine):
     """--policies lora: a 2-step run equals 1 step + resume (adapters and AdamW state from DCP, the base from its
@@ -4879,9 +4928,15 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, pac
         assert (one["state"][k] - two["state"][k]).abs().max() < tol, k
 
 
+@pytest.fixture(scope="session")
+def shared_bases(tmp_path_factory):
+    """A tiny-base cache for tests whose runs warm up the same base: the first builds it, the others read it."""
+    return str(tmp_path_factory.mktemp("bases"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policies", ["shared", "lora"])
-def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
+def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bases):
     """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
     one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint)."""
     out = tmp_path / "tr"
@@ -4914,7 +4969,8 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
         "--out_dir",
         str(out),
     ]
-    _run(args + ["--steps", "3"], timeout=900, env_extra=CPU_RANKS)
+    ranks = {**CPU_RANKS, tiny.CACHE_ENV: shared_bases}  # shared and lora start from one base
+    _run(args + ["--steps", "3"], timeout=900, env_extra=ranks)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     steps = [r for r in rec if "samples_per_rank" in r]
     assert len(steps) == 3 and "eval_success" in rec[-1]
@@ -4926,7 +4982,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies):
         assert (out / "ckpt" / "adapter-plan" / "adapter_model.safetensors").exists()
         assert any(r["grad_norm_p1"] > 0 for r in steps)
     # each rank reads its own shards back
-    _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=CPU_RANKS)
+    _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=ranks)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
 
@@ -5028,7 +5084,10 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         "20",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _run(args + ["--out_dir", str(tmp_path / "a")], timeout=900)
+    # the uninterrupted run beside the one that is killed: one thread each on the 2 cores (b waits for a's base)
+    a_log = open(tmp_path / "a.log", "w")
+    run_a = subprocess.Popen(args + ["--out_dir", str(tmp_path / "a")], cwd=HERE, env=env, stdout=a_log,
+                             stderr=subprocess.STDOUT)
     p = subprocess.Popen(args + ["--out_dir", str(tmp_path / "b")], cwd=HERE, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     for line in p.stdout:
@@ -5036,6 +5095,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
             p.kill()
             break
     p.wait()
+    assert run_a.wait(timeout=900) == 0, (tmp_path / "a.log").read_text()[-4000:]
     assert not (tmp_path / "b" / "metrics.jsonl").read_text().count('"step": 4')
     _run(args + ["--out_dir", str(tmp_path / "b"), "--resume", "true"], timeout=900)
 
@@ -5549,6 +5609,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
         [PY, "train.py", "--steps", "30", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)],
         timeout=1200,
         merge=True,
+        env_extra={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},  # alone: the machine's cores (as a user runs it)
     )
     lines = r.stdout.splitlines()
     first = next(i for i, l in enumerate(lines) if l.startswith("step "))

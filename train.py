@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import threads  # noqa: F401  (before torch: OpenMP waits passively, so a busy machine costs its share)
 import torch
 
 import common as C
@@ -636,7 +637,8 @@ def main(argv):
     if start.step == 0 and cfg["eval_every"]:
         res = held_out(test_envs, agents, cfg, 0, rank, world, master)
         log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
-    dlogp_hist = [[] for _ in pols]
+    # the |dlogp| alarm's history: a resume reads it back, so its alarms are the uninterrupted run's
+    dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
     for step in range(start.step, cfg["steps"]):
