@@ -513,11 +513,12 @@ def _gpu_update_once(m, opt, samples, cfg):
 # -----------------------------------------------------------------------------
 # sharing the machine: each setting in a fresh process (OpenMP reads its environment when torch loads)
 
-SHARE_SETTINGS = {  # name: (environment, torch threads); GOMP_SPINCOUNT=300000 is libgomp's own default spin
-    "spin, 2 threads (before)": ({"GOMP_SPINCOUNT": "300000"}, 2),
-    "spin, 1 thread": ({"GOMP_SPINCOUNT": "300000"}, 1),
-    "passive, 2 threads (threads.py)": ({"OMP_WAIT_POLICY": "PASSIVE"}, 2),
-    "passive, 1 thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+SHARE_SETTINGS = {  # name: (environment, torch threads). libgomp spins GOMP_SPINCOUNT times (300,000 by default,
+    # ~ms) after each parallel region before it sleeps; OMP_WAIT_POLICY=PASSIVE sleeps at once
+    "spin 300k, 2 threads (before)": ({"GOMP_SPINCOUNT": "300000"}, 2),
+    "passive, 2 threads": ({"OMP_WAIT_POLICY": "PASSIVE"}, 2),
+    "spin 30k, 2 threads": ({"GOMP_SPINCOUNT": "30000"}, 2),
+    "spin 10k, 2 threads": ({"GOMP_SPINCOUNT": "10000"}, 2),
 }
 BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
 
@@ -568,13 +569,13 @@ def share_child(kind, threads_n, repeats):
     print("SHARE " + json.dumps({k: statistics.median(v) for k, v in parts.items()}), flush=True)
 
 
-SHARE_PLAN = {"warmup": ((0, 2, 4), 8), "step": ((0, 4), 2)}  # kind: (busy processes beside it, timed repeats)
+SHARE_PLAN = {"warmup": ((0, 2, 4), 8), "step": ((0, 4), 4)}  # kind: (busy processes beside it, timed repeats)
 
 
 def bench_share(plan=SHARE_PLAN):
     """What a busy machine costs each thread setting: the warm-up step and the default's step, alone and beside
     busy processes (on 2 cores, 4 = two per core), every setting in its own process. Medians; each loaded time
-    over the same setting's time alone, and each setting over the settings before (spin, 2 threads) at that load."""
+    over the same setting's time alone, and each setting over the first (the settings before) at that load."""
     import train as T
     cfg = T.configure([])
     tiny.build_base(tiny.base_path(cfg), cfg)  # alone, once (cached)
@@ -599,7 +600,7 @@ def bench_share(plan=SHARE_PLAN):
     for row in rows:
         alone = next(r for r in rows if r["kind"] == row["kind"] and r["setting"] == row["setting"] and not r["load"])
         before = next(r for r in rows if r["kind"] == row["kind"] and r["load"] == row["load"]
-                      and r["setting"] == "spin, 2 threads (before)")
+                      and r["setting"] == next(iter(SHARE_SETTINGS)))
         key = main[row["kind"]]
         row["over_alone"] = row[key] / alone[key]
         row["over_before"] = row[key] / before[key]

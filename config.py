@@ -121,6 +121,7 @@ BOUNDS = [
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
     ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
     ("lr_steps", lambda v: v >= 0, "0 (the schedule spans --steps) or a number of steps"),
+    ("lr_clock", lambda v: 0 <= v <= 1, "a share of --time_limit_min in [0, 1] (0: the schedule by steps)"),
     ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of the schedule in [0, 1]"),
     ("lr_min", lambda v: 0 <= v <= 1, "a fraction of --lr in [0, 1]"),
     ("lora_lr_mult", lambda v: v > 0, "above 0"),

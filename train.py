@@ -116,6 +116,8 @@ entropy_coef = 0.0         # entropy bonus (verl's entropy_coeff); 0 = none (pap
 # optimization
 steps = 400                # training steps
 lr_steps = 0               # the lr schedule's length (0 = --steps); past it the lr holds its floor
+lr_clock = 0.0             # with --time_limit_min: after 10 steps the schedule is cut to the steps
+                           # that fit in this share of the clock at their pace (0 = steps only)
 lr = 1e-6                  # AdamW learning rate; per role: tool=1e-6,plan=2e-6
 lr_decay = 0.0             # last fraction of the schedule: lr falls (half cosine) to lr_min x lr
 lr_min = 0.1               # --lr_decay: the final lr as a fraction of --lr
@@ -182,7 +184,7 @@ PRESETS = {
     # a sibling group trains as one row (its prompt once); the cosine over 150 steps, then its
     # floor until the 15-minute clock (docs/results.md)
     "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
-                  "steps": 1000, "lr_steps": 150},
+                  "steps": 1000, "lr_steps": 150, "lr_clock": 0.7},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
@@ -319,6 +321,19 @@ def lr_factor(cfg, step):
         return 1.0
     t = min(1.0, (step - start) / max(1, span - start))
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
+
+
+def fit_schedule(cfg, steps_done, seconds):
+    """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
+    pace of the first `steps_done` steps (`seconds` on the slowest rank, their evaluations
+    included), so a slower machine still ends its cosine inside the clock. Never lengthened; a
+    resume reads the cut back from the log (its lr_steps)."""
+    span = cfg["lr_steps"] or cfg["steps"]
+    fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
+    return {**cfg, "lr_steps": max(steps_done + 1, min(span, fit))}
 
 
 def update_policies(cfg, pols, models, opts, refs, samples, trained, step, world):
@@ -524,6 +539,7 @@ def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, mast
            "format_ok": sum(r.formatted for r in ranks) / max(1, n_samples),
            "resp_tokens": sum(r.response_tokens for r in ranks),
            "lr_factor": lr_factor(cfg, step),
+           "lr_steps": cfg["lr_steps"] or cfg["steps"],
            "timeouts": sum(r.timeouts for r in ranks)}
     if cfg["task"] == "search":
         rec["search_calls"] = sum(r.search_calls for r in ranks)
@@ -637,12 +653,16 @@ def main(argv):
     if start.step == 0 and cfg["eval_every"]:
         res = held_out(test_envs, agents, cfg, 0, rank, world, master)
         log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
-    # the |dlogp| alarm's history: a resume reads it back, so its alarms are the uninterrupted run's
+    # the |dlogp| alarm's history and --lr_clock's schedule: a resume reads them back from the log
     dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
+    if start.step > LR_CLOCK_STEPS and cfg["lr_clock"]:
+        cfg = {**cfg, "lr_steps": C.all_max(log.history("lr_steps")[-1] if master else 0)}
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
+        if step == LR_CLOCK_STEPS and cfg["lr_clock"] and cfg["time_limit_min"]:
+            cfg = fit_schedule(cfg, step, C.all_max(max(1, round(time.time() - t_run))))
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
         batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
