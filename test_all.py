@@ -4536,7 +4536,6 @@ def test_entry_points_make_openmp_spin_briefly():
     slower on a busy machine: docs/results.md, "Sharing the machine"); a value the user sets wins; model-written
     programs in the sandbox (one thread) sleep at once."""
     import sandbox as S
-    import threads
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
     def spincount(args, **extra):
