@@ -323,19 +323,6 @@ def lr_factor(cfg, step):
     return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
-
-
-def fit_schedule(cfg, steps_done, seconds):
-    """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
-    pace of the first `steps_done` steps (`seconds` on the slowest rank, their evaluations
-    included), so a slower machine still ends its cosine inside the clock. Never lengthened; a
-    resume reads the cut back from the log (its lr_steps)."""
-    span = cfg["lr_steps"] or cfg["steps"]
-    fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
-    return {**cfg, "lr_steps": max(steps_done + 1, min(span, fit))}
-
-
 def update_policies(cfg, pols, models, opts, refs, samples, trained, step, world):
     """One update per policy on its roles' samples, at this step's lr. A policy none of whose roles
     trains (--train_roles, --alternate_every) sits still: no update, its weights bit-identical."""
@@ -655,14 +642,14 @@ def main(argv):
         log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
     # the |dlogp| alarm's history and --lr_clock's schedule: a resume reads them back from the log
     dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
-    if start.step > LR_CLOCK_STEPS and cfg["lr_clock"]:
+    if start.step > C.LR_CLOCK_STEPS and cfg["lr_clock"]:
         cfg = {**cfg, "lr_steps": C.all_max(log.history("lr_steps")[-1] if master else 0)}
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
-        if step == LR_CLOCK_STEPS and cfg["lr_clock"] and cfg["time_limit_min"]:
-            cfg = fit_schedule(cfg, step, C.all_max(max(1, round(time.time() - t_run))))
+        if step == C.LR_CLOCK_STEPS and cfg["lr_clock"] and cfg["time_limit_min"]:
+            cfg = C.fit_schedule(cfg, step, C.all_max(max(1, round(time.time() - t_run))))
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
         batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
