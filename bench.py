@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-import threads  # noqa: F401  (before torch: OpenMP's waiting)
+import threads  # noqa: F401  (before torch: OpenMP spins briefly)
 import torch
 
 import model as M

@@ -500,9 +500,9 @@ LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's leng
 
 def fit_schedule(cfg, steps_done, seconds):
     """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
-    pace of the first `steps_done` steps (`seconds` on the slowest rank, their evaluations
-    included), so a slower machine still ends its cosine inside the clock. Never lengthened; a
-    resume reads the cut back from the log (its lr_steps)."""
+    pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their
+    evaluations included), so a slower machine still ends its cosine inside the clock. Never
+    lengthened; a resume reads the cut back from the log (its lr_steps)."""
     span = cfg["lr_steps"] or cfg["steps"]
     fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
     return {**cfg, "lr_steps": max(steps_done + 1, min(span, fit))}

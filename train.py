@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import threads  # noqa: F401  (before torch: OpenMP waits passively, so a busy machine costs its share)
+import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
 import torch
 
 import common as C
@@ -184,7 +184,7 @@ PRESETS = {
     # a sibling group trains as one row (its prompt once); the cosine over 150 steps, then its
     # floor until the 15-minute clock (docs/results.md)
     "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
-                  "steps": 1000, "lr_steps": 150, "lr_clock": 0.7},
+                  "steps": 1000, "lr_steps": 150},
     "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
@@ -645,11 +645,13 @@ def main(argv):
     if start.step > C.LR_CLOCK_STEPS and cfg["lr_clock"]:
         cfg = {**cfg, "lr_steps": C.all_max(log.history("lr_steps")[-1] if master else 0)}
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
+    t_loop = time.time()
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
         if step == C.LR_CLOCK_STEPS and cfg["lr_clock"] and cfg["time_limit_min"]:
-            cfg = C.fit_schedule(cfg, step, C.all_max(max(1, round(time.time() - t_run))))
+            pace = C.all_max(max(1, round(time.time() - t_loop)))  # this process's steps, evals included
+            cfg = C.fit_schedule(cfg, step - start.step, pace)
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
         batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
