@@ -102,7 +102,8 @@ def parse_flags(argv, cfg, choices, per_role=None, repeatable=(), help_text=""):
             except ValueError:
                 raise SystemExit(f"--{name} takes a {t.__name__}, not {val!r}")
         if name in choices and cfg[name] not in choices[name]:
-            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {', '.join(choices[name])}")
+            named = ", ".join(c or '"" (the default)' for c in choices[name])  # "" was listed as nothing
+            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {named}")
         given.append(name)
         i += 1
     return given
@@ -208,6 +209,12 @@ def all_sum(x):
     t = torch.tensor(x, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_finite(models):
+    """Every rank's parameters (its FSDP shards) hold finite numbers only."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for m in models for p in m.parameters())
+    return not all_max(int(any(not torch.isfinite(t.detach()).all() for t in local)))
 
 
 def all_max(x):

@@ -127,8 +127,13 @@ def resolve(cfg):
                          "for the rest)")
     settings = {k: per_role(cfg, k, roles, cfg["role_defaults"][k]) for k in PER_ROLE}
     for r in roles:
-        if settings["minibatches"][r] < 1 or settings["micro_batch_tokens"][r] < 1 or settings["lr"][r] <= 0:
-            raise SystemExit(f"role {r}: --lr must be > 0, --minibatches and --micro_batch_tokens >= 1")
+        lr = settings["lr"][r]
+        if not (math.isfinite(lr) and lr > 0):  # inf trains NaN weights, nan fails in torch's optimizer
+            raise SystemExit(f"--lr {lr} (role {r}): a learning rate is a finite number above 0, e.g. 1e-6 "
+                             "(the paper's) or 5e-4 (the tiny default's)")
+        for k in ("minibatches", "micro_batch_tokens"):
+            if settings[k][r] < 1:
+                raise SystemExit(f"--{k} {settings[k][r]} (role {r}): at least 1")
     if cfg["policies"] == "lora":
         if cfg["lora_rank"] <= 0:
             raise SystemExit(f"--lora_rank must be >= 1, not {cfg['lora_rank']}")

@@ -4567,6 +4567,63 @@ def test_bad_input_exits_with_one_line_before_anything_loads():
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip() and time.time() - t0 < 60
 
 
+def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monkeypatch):
+    """As verl's actor does (dp_actor.py: a non-finite grad norm skips optimizer.step): an optimizer step whose loss
+    is NaN or one of whose gradients is inf is not applied, the optimizer state untouched, and counted; three steps in
+    a row with one stop the run with one line, its checkpoint the last finite weights; a checkpoint is never written
+    from NaN weights; a learning rate of inf or nan is refused before anything loads (inf trained NaN weights and
+    saved them, rc 0; nan raised in torch's optimizer after the models loaded)."""
+    import train as T
+    for lr in ("inf", "nan", "-1e-3", "tool=inf,plan=5e-4"):
+        with pytest.raises(SystemExit, match=r"a learning rate is a finite number above 0"):
+            T.configure(["--lr", lr])
+    with pytest.raises(SystemExit, match=r'--preset .x. is not one of "" \(the default\), paper,'):  # was "of , paper"
+        T.configure(["--preset", "x"])
+    samples = _sibling_groups(7, n_groups=9)
+    cfg = {**T.configure([]), "minibatches": 3, "mini_batch_rows": 0, "micro_batch_tokens": 60}
+    real_loss = T.ppo_loss
+    for fault in ("nan loss", "inf gradient"):
+        m = M.load_model(tiny_dir)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        calls = [0]
+
+        def loss_with_a_fault(*a, **k):  # the second optimizer step's first micro-batch
+            loss, st = real_loss(*a, **k)
+            calls[0] += 1
+            if fault == "nan loss" and calls[0] == first + 1:
+                loss = loss * float("nan")
+            return loss, st
+        chunk = G.split_minibatches(samples, 3, cfg["split"])[0]
+        first = len(batching.micro_batches(G.make_rows(chunk, cfg["pack"]), 60, lambda x: x))
+        monkeypatch.setattr(T, "ppo_loss", loss_with_a_fault)
+        if fault == "inf gradient":
+            hits = [0]
+
+            def hook(g):
+                hits[0] += 1
+                return g * float("inf") if hits[0] == first + 1 else g
+            m.model.layers[0].mlp.up_proj.weight.register_hook(hook)
+        st = T.update_policy(m, opt, samples, cfg, 1, torch.device("cpu"))
+        assert (st.opt_steps, st.skipped) == (2, 1), fault
+        assert all(torch.isfinite(p).all() for p in m.parameters()) and math.isfinite(st.grad_norm)
+        assert all(opt.state[p]["step"].item() == 2 for p in m.parameters()), fault  # the skipped step left no trace
+    # end to end: every loss NaN -> three steps in a row skipped -> one line, the checkpoint = the finite base
+    monkeypatch.setattr(T, "ppo_loss", lambda *a, **k: (lambda l, st: (l * float("nan"), st))(*real_loss(*a, **k)))
+    with pytest.raises(SystemExit, match=r"stopped after step 3: 3 steps in a row had a non-finite loss or gradient"):
+        T.main(SMOKE[:-2] + ["--warmup_steps", "0", "--steps", "10", "--ckpt_every", "1", "--out_dir",
+                             str(tmp_path / "run")])
+    rec = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["skipped_p0"] > 0 and r["opt_steps_p0"] == 0 for r in rec] == [True] * 3
+    ck = M.load_model(str(tmp_path / "run" / "ckpt" / "policy-tool+plan"))
+    base = M.load_model(str(next(tmp_path.glob("tiny-base-plan-s0-*"))))
+    assert all(torch.equal(a, b) for a, b in zip(ck.parameters(), base.parameters()))
+    # and NaN weights are never checkpointed: the last checkpoint stays
+    with torch.no_grad():
+        ck.model.norm.weight[0] = float("nan")
+    T.save(T.configure(["--out_dir", str(tmp_path / "nan")]), 1, [ck], [None], [], [], None, 0, 0.0)
+    assert not os.path.exists(tmp_path / "nan" / "ckpt")
+
+
 def test_what_new_users_tried_stops_with_one_line(tmp_path, tiny_dir, monkeypatch):
     """What a new user tried and got a traceback or a silently different run for, at 6f55a62: each stops in
     configure, before anything loads, with one line naming the fix."""
@@ -4638,7 +4695,7 @@ def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir, cpu_machine):
         (["--lr", "tool=fast"], "not a float"),
         (["--policies", "lora", "--lora_rank", "0"], "lora_rank must be >= 1"),
         (["--lr", "tool=1e-3,plan=2e-3"], "share one policy"),
-        (["--minibatches", "plan=0", "--policies", "per_role"], ">= 1"),
+        (["--minibatches", "plan=0", "--policies", "per_role"], "at least 1"),
         (["--policies", "lora", "--policy", "tool=tiny-small"], "one base"),
         (["--policy", f"tool={tiny_dir}", "--policy", "plan=tiny"], "mixes tiny sizes"),
     ]:

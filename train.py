@@ -237,6 +237,7 @@ class UpdateStats:
     trained_tokens: float = 0.0  # forward/backward tokens (prompts included, once if packed)
     grad_norm: float = 0.0       # the largest over the step's optimizer steps
     opt_steps: int = 0
+    skipped: int = 0             # optimizer steps not applied: a non-finite loss or gradient
 
 
 def row_logprobs(model, b, entropy=False):
@@ -304,11 +305,17 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        stats.grad_norm = max(stats.grad_norm, float(grad_norm))
-        stats.opt_steps += 1
-        opt.step()
+        opt_step = math.isfinite(float(grad_norm))  # the norm over every rank: all agree
+        if opt_step:  # else the step is skipped, the optimizer state untouched (verl dp_actor.py)
+            stats.grad_norm = max(stats.grad_norm, float(grad_norm))
+            stats.opt_steps += 1
+            opt.step()
+        stats.skipped += not opt_step
         opt.zero_grad(set_to_none=True)
     return stats
+
+
+MAX_BAD_STEPS = 3  # steps in a row with a non-finite loss or gradient that stop the run
 
 
 def lr_factor(cfg, step):
@@ -564,6 +571,7 @@ def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, mast
                   f"(recent median {median:.1e}): is the engine receiving the weights?", flush=True)
         rec[f"grad_norm_p{p}"] = u.grad_norm
         rec[f"opt_steps_p{p}"] = u.opt_steps  # the same on every rank
+        rec[f"skipped_p{p}"] = u.skipped
         rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
         if cfg["kl_coef"]:
             rec[f"kl_p{p}"] = tot["kl_sum"] / tokens
@@ -594,6 +602,9 @@ def step_line(rec, roles, n_policies, eta):
             f"zv {rec['zero_var_frac']:.2f} | {per_policy} | {rec['samples']} smp {rec['resp_tokens']} tok | "
             f"gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s train {rec['t_train']:.1f}s "
             f"sync {rec['t_sync']:.1f}s")
+    skipped = sum(rec[f"skipped_p{p}"] for p in range(n_policies))
+    if skipped:
+        line += f" | {skipped} non-finite optimizer steps skipped"
     if "mem_train" in rec:
         line += f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}"
     return line + f" | eta {eta / 60:.1f}m"
@@ -646,6 +657,7 @@ def main(argv):
         cfg = {**cfg, "lr_steps": C.all_max(log.history("lr_steps")[-1] if master else 0)}
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
     t_loop = time.time()
+    bad_steps = 0  # steps in a row with a skipped (non-finite) optimizer step
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
@@ -678,12 +690,13 @@ def main(argv):
         rec = step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master)
         rec["time"] = time.time() - t_run
         last = step + 1
+        bad_steps = bad_steps + 1 if any(u.skipped for u in updates) else 0
         eta = C.eta_seconds(cfg, last, last - start.step, time.time() - t_process, rec["time"])
         if master:
             print(step_line(rec, roles, len(pols), eta), flush=True)
         out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
         stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
-        final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time
+        final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time or bad_steps == MAX_BAD_STEPS
         if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
@@ -701,6 +714,10 @@ def main(argv):
     if C.OWN_GROUP:
         C.close_dist()
     C.exit_if_stopped(master)  # one line with the command that resumes, exit status 128 + signal
+    if bad_steps == MAX_BAD_STEPS:
+        raise SystemExit(f"stopped after step {last}: {bad_steps} steps in a row had a non-finite loss or gradient "
+                         "and were not applied; the weights (and the checkpoint, if any) are the last finite ones. "
+                         "Lower --lr, or check the data and the rewards")
 
 
 def print_config(cfg):
@@ -726,7 +743,12 @@ def held_out(test_envs, agents, cfg, step, rank, world, master):
 
 
 def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
-    """A checkpoint after `step` (CUDA: the engines park their weights on the host meanwhile)."""
+    """A checkpoint after `step` (CUDA: the engines park their weights on the host meanwhile), only
+    of finite weights: else the last checkpoint stays the run's."""
+    if not C.all_finite(models):
+        if rank == 0:
+            print(f"step {step}: the weights hold NaN or inf; no checkpoint (the last one stays)", flush=True)
+        return
     for engine in P.distinct_engines(engines):
         engine.sleep(level=1)
     export_dtype = None if P.is_tiny(cfg) else torch.bfloat16
