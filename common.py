@@ -509,7 +509,10 @@ def fit_schedule(cfg, steps_done, seconds):
     """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
     pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their
     evaluations included), so a slower machine still ends its cosine inside the clock. Never
-    lengthened; a resume reads the cut back from the log (its lr_steps)."""
+    lengthened; a resume reads the cut back from the log (its lr_steps). No steps run here (a
+    resume at the fitting step): no pace, the schedule as it was."""
+    if steps_done < 1:
+        return cfg
     span = cfg["lr_steps"] or cfg["steps"]
     fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
     return {**cfg, "lr_steps": max(steps_done + 1, min(span, fit))}

@@ -5236,6 +5236,7 @@ def test_lr_clock_fits_the_schedule_to_the_time_limit(tmp_path, monkeypatch):
     assert C.fit_schedule(cfg, 10, 100)["lr_steps"] == 63  # 0.7 x 900 s at 10 s a step
     assert C.fit_schedule(cfg, 10, 30)["lr_steps"] == 150  # 210 fit: never longer
     assert C.fit_schedule(cfg, 10, 10 ** 5)["lr_steps"] == 11  # never shorter than the steps already run
+    assert C.fit_schedule(cfg, 0, 1)["lr_steps"] == 150  # a resume at step 10 measured no pace (was cut to 1 step)
     now = [1e6]
     monkeypatch.setattr(T, "time", types.SimpleNamespace(time=lambda: now[0]))  # train.py's clock only
     real = T.collect
