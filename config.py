@@ -11,6 +11,7 @@ Sampling}). A per-role flag given as ROLE=VALUE,... is a {role: value} dict from
 read (common.parse_flags); the roles it names are checked once the task is known.
 """
 import importlib.util
+import math
 import os
 from dataclasses import replace
 
@@ -18,9 +19,11 @@ import torch
 
 import common as C
 import envs as E
+import grpo_mas as G
 import model as M
 import policies as P
 import retrieval
+import tiny
 
 # -----------------------------------------------------------------------------
 # flags over the preset over the recipe
@@ -34,17 +37,16 @@ def configure(argv, flags, presets, choices, source):
     given = C.parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
                           help_text=help_text(source, flags, presets))
     if not cfg["preset"]:
-        cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg))
+        cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg), presets)
     overrides = presets[cfg["preset"]]
     for k, v in overrides.items():
         if k not in given:
             cfg[k] = v
-    # gigpo normalizes within its own two kinds of groups (episodes and anchor states): a preset's
-    # DAPO filter and step-wide std do not apply to it; asked for by flag, they are refused (check)
-    if cfg["algo"] == "gigpo":
-        for k, off in (("dynamic_sampling", 0), ("scale_rewards", "group"), ("batch_std_steps", 0)):
-            if k not in given:
-                cfg[k] = off
+    # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
+    # std); asked for by flag, they are checked (check_method)
+    for k, v in G.ALGOS[cfg["algo"]].fixed.items():
+        if k not in given:
+            cfg[k] = v
     # a per-role flag's value for the roles it does not name: the preset's
     cfg["role_defaults"] = {k: overrides.get(k, flags[k]) for k in P.PER_ROLE_FLAGS}
     # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
@@ -60,13 +62,11 @@ def configure(argv, flags, presets, choices, source):
     return cfg
 
 
-def default_preset(task, tiny):
-    """paper (paper-math, paper-code, paper-search) with a real model; tiny-plan (tiny-sokoban,
-    tiny-sudoku, tiny-search; tiny for code and math) without."""
-    if tiny:
-        return {"plan": "tiny-plan", "sokoban": "tiny-sokoban", "sudoku": "tiny-sudoku",
-                "search": "tiny-search"}.get(task, "tiny")
-    return {"math": "paper-math", "code": "paper-code", "search": "paper-search"}.get(task, "paper")
+def default_preset(task, tiny, presets):
+    """tiny-TASK (tiny where the task has none) without --model; paper-TASK (paper) with a real
+    model: tiny-plan, tiny-sokoban, ..., paper-math, paper-code, paper-search."""
+    kind = "tiny" if tiny else "paper"
+    return f"{kind}-{task}" if f"{kind}-{task}" in presets else kind
 
 
 def fit_sampling(cfg, prefix, context):
@@ -104,6 +104,7 @@ def help_text(source, flags, presets):
 # The bounds of the numeric flags: (flag, holds, what to use instead). A value outside them makes
 # the run meaningless, so it stops here, before anything loads.
 BOUNDS = [
+    ("seed", lambda v: 0 <= v < 2 ** 32, "an integer in [0, 2**32 - 1], as numpy and torch take seeds"),
     ("K", lambda v: v >= 2, "at least 2: a group of one has no baseline (its advantage is always 0)"),
     ("turns", lambda v: v >= 1, "at least 1 turn per episode"),
     ("envs_per_step", lambda v: v >= 1, "at least 1 env per step"),
@@ -152,6 +153,9 @@ BOUNDS = [
 
 def check(cfg, given):
     """Every misuse that can be named before anything loads, each with the flag to change."""
+    for name, value in cfg.items():  # nan and inf pass no bound's test, nor mean anything here
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"--{name} {value}: use a finite number")
     for name, holds, instead in BOUNDS:
         for value in P.flag_values(cfg, name):
             if not holds(value):
@@ -161,6 +165,20 @@ def check(cfg, given):
     check_search(cfg)
     check_model(cfg)
     check_out_dir(cfg)
+    check_cache(cfg)
+
+
+def check_cache(cfg):
+    """The tiny bases' folder (tiny.cache_dir) is a folder this user can write, or can be made in one."""
+    if not P.is_tiny(cfg):
+        return
+    path = where = tiny.cache_dir()
+    while not os.path.exists(where):
+        where = os.path.dirname(where) or "."
+    if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
+        kind = "not a folder" if not os.path.isdir(where) else "not writable"
+        raise SystemExit(f"the tiny bases' folder {path} cannot be made or written ({where} is {kind}): "
+                         f"set {tiny.CACHE_ENV} to a folder you can write")
 
 
 def check_task(cfg):
@@ -188,23 +206,32 @@ def check_task(cfg):
                          "answers fill that many of the 16 cells")
 
 
+def _algos(accepts):
+    """The --algo names whose table entry accepts a flag, for an error message."""
+    return ", ".join(name for name, algo in G.ALGOS.items() if accepts(algo))
+
+
 def check_method(cfg, given):
     """The algorithm's flags that only make sense together."""
-    gigpo = cfg["algo"] == "gigpo"
-    if cfg["dynamic_sampling"] and gigpo:
-        raise SystemExit("--dynamic_sampling filters one kind of group, and gigpo has two (episodes and "
-                         "anchor states): use it with --algo at_grpo, grpo or dr_mas, or drop it")
-    if gigpo and cfg["scale_rewards"] == "batch":
-        raise SystemExit("--scale_rewards batch divides by the step's std, and gigpo normalizes within "
-                         "its groups (verl-agent: mean_norm or mean_std_norm): use --scale_rewards "
-                         "none or group with --algo gigpo")
+    algo = G.ALGOS[cfg["algo"]]
+    if cfg["dynamic_sampling"] and algo.anchor_groups:
+        raise SystemExit(f"--dynamic_sampling filters one kind of group, and {cfg['algo']} has two "
+                         "(episodes and anchor states): use it with --algo "
+                         f"{_algos(lambda a: not a.anchor_groups)}, or drop it")
+    if cfg["scale_rewards"] not in algo.scales:
+        raise SystemExit(f"--scale_rewards {cfg['scale_rewards']} is not one of {cfg['algo']}'s "
+                         f"normalizations: use --scale_rewards {' or '.join(algo.scales)} with "
+                         f"--algo {cfg['algo']}")
+    if cfg["batch_std_steps"] > 0 and "batch" not in algo.scales:
+        raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} divides the first steps by the "
+                         f"step's std, which {cfg['algo']} does not: drop --batch_std_steps")
     if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
         raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
                          "here: add --dynamic_sampling 3, or drop --refill")
-    if cfg["reward"] == "outcome" and cfg["algo"] == "at_grpo":
+    if cfg["reward"] == "outcome" and not algo.outcome:
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's "
-                         "losing branches have none: use it with --algo grpo or dr_mas (AT-GRPO scores "
-                         "each call)")
+                         f"losing branches have none: use it with --algo {_algos(lambda a: a.outcome)} "
+                         f"({cfg['algo']} scores each call)")
     if "batch_std_steps" in given and cfg["batch_std_steps"] > 0 and cfg["scale_rewards"] != "group":
         raise SystemExit(f"--batch_std_steps switches from the step's std to the group's: use it with "
                          f"--scale_rewards group (not {cfg['scale_rewards']}), or drop --batch_std_steps")

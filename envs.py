@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import judge
 import retrieval
+import sandbox
 from judge import actual_output, code_pass_rate, math_equal, reference_solution, run_asserts, run_tests
 from sandbox import run_code  # model-written code runs only there
 
@@ -124,6 +125,7 @@ class Env:
     turn with nobody having spoken. A new workflow is one subclass: stages or speakers, observe,
     step, team_reward."""
     stages = ()
+    speaks_again = False  # True: an agent may answer twice in a turn, both in one group (rollout.py)
 
     def __init__(self):
         self.turn, self.done, self.success, self.format_ok = 0, False, False, True
@@ -144,6 +146,10 @@ class Env:
     def end_turn(self):
         self.turn += 1
         self.spoken = set()
+
+    def warmup_view(self, role):
+        """The tiny base's 'calls' warm-up teaches `role`'s answer in this state (tiny.py)."""
+        return True
 
     def anchor(self, role):
         """GiGPO's anchor state (docs/method.md §4): the env's own observation of its state, what
@@ -303,6 +309,10 @@ class PlanPath(GridGame):
                 f"rows top to bottom, U decreases the row). You are at row {self.pos[0]}, col {self.pos[1]}; "
                 f"the goal is at row {self.goal[0]}, col {self.goal[1]}.")
 
+    def random_answer(self, role, rng, max_moves=4):
+        """The format warm-up's answer (tiny.py): 1..max_moves random moves, walls or not."""
+        return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
+
     def board(self):
         rows = [row[:] for row in self.grid]
         rows[self.goal[0]][self.goal[1]] = "G"
@@ -391,6 +401,19 @@ class Sokoban(GridGame):
     def rules(self):
         return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "
                 "a box one cell if the cell behind it is free; you cannot pull.")
+
+    def random_answer(self, role, rng, max_moves=4):
+        """The format warm-up's answer (tiny.py): a random legal walk of 1..max_moves moves, into no
+        wall and pushing the box into none: the rules, as a real base model knows them, not the
+        solution."""
+        state, out = (self.player, self.box), ""
+        for _ in range(rng.randint(1, max_moves)):
+            ok = {a: nxt for a in "UDLR" if (nxt := self.move(state, a))}
+            if not ok:
+                break
+            a = rng.choice(list(ok))
+            out, state = out + a, ok[a]
+        return out or rng.choice("UDLR")
 
     def board(self):
         rows = []
@@ -543,6 +566,19 @@ class Sudoku(GridGame):
     def rules(self):
         return ("Fill the 4x4 Sudoku (0 = empty) with 1-4 so that every row, column and 2x2 box holds each digit "
                 "once. Given clues must be kept.")
+
+    def random_answer(self, role, rng, max_moves=4):
+        """The format warm-up's answer (tiny.py): a 16-digit grid (0 = no answer) filling 1..max_moves
+        random empty cells, each with a random digit its row, column and box still allow after the
+        fills before it: the rules, not the solution."""
+        cells, g = ["0"] * 16, [row[:] for row in self.grid]
+        empty = [(r, c) for r in range(4) for c in range(4) if not g[r][c]]
+        for r, c in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
+            cand = [v for v in range(1, 5) if self.legal(g, r, c, v)]
+            if cand:
+                g[r][c] = rng.choice(cand)
+                cells[4 * r + c] = str(g[r][c])
+        return "".join(cells)
 
     def board(self):
         return "\n".join("".join(str(v) for v in row) for row in self.grid)
@@ -1107,6 +1143,20 @@ class SearchEnv(Env):
         self.seen = []      # passage ids retrieved so far
         self.answer = None
 
+    def random_answer(self, role, rng, max_moves=1):
+        """The format warm-up's answer (tiny.py) for `role`: y or n; a letter, or a digit, among those
+        its prompt shows (a real model queries with words it read and answers with one it found;
+        which one is for RL to learn). The format, never the world's facts."""
+        if role == "verifier":
+            return rng.choice("yn")
+        text = self.observe("search")[0]["content"]
+        chars = NAMES if role == "search" else "0123456789"
+        return rng.choice([c for c in text if c in chars] or list(chars))
+
+    def warmup_view(self, role):
+        """Answers are learnt with passages in view: what copying a digit is learnt from."""
+        return role != "answer" or bool(self.history)
+
     def clone(self):
         new = super().clone()
         new.history, new.seen = list(self.history), list(self.seen)
@@ -1262,27 +1312,86 @@ def load_jsonl(path):
 # Sudoku test set overlapped its training pool).
 TEST_SEED0, MAX_TEST = 10 ** 6, 1000
 _TEST_BOARDS = {}
-TASKS = {  # each task's workflows: --workflow NAME -> its roles; the first is the default
-    "plan": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
-    "sokoban": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
-    "sudoku": dict(workflows={"mas": ("tool", "plan"), "single": ("plan",)}),
-    "code": dict(workflows={"mas": ("coder", "tester"), "single": ("coder",)},
+# One entry per --task: a new task is an entry here and its env class (docs/extending.md). Every key
+# of TASK_KEYS is required; check_task names the one an entry lacks, at start-up.
+TASK_KEYS = {
+    "make": "the env factory, (seed, workflow, compact, row, **settings) -> an env (make_env)",
+    "workflows": "--workflow NAME -> its roles; the first workflow is the default",
+    "generated": "True: instances from seeds (training below TEST_SEED0, held-out above); "
+                 "False: rows of the `train` and `test` files",
+    "train": "the shipped training files under data/ (a generated task: [])",
+    "test": "the shipped held-out files under data/ (a generated task: [])",
+    "answer_tokens": "the tiny model's compact answer in tokens, end of turn included (its response "
+                     "budget); 0: the tiny model plays no compact form",
+    "counters": "the names in COUNTERS the step log prints for it",
+    "warmup": "the tiny base's format warm-up: 'turn' (a role's observation after the turn's "
+              "earlier speakers, then env.random_answer), 'calls' (a random number of calls, then "
+              "the next speaker's), or 'none'",
+}
+WARMUPS = ("turn", "calls", "none")
+
+
+def _game(cls, **compact_settings):
+    """The factory of a generated game: its compact form takes `compact_settings`."""
+    def make(seed, workflow, compact, row, **_):
+        return cls(seed, workflow=workflow, compact=compact, **(compact_settings if compact else {}))
+    return make
+
+
+def _make_code(seed, workflow, compact, row, train_tests=5, **_):
+    return CodeEnv(row, workflow, train_tests=train_tests)
+
+
+def _make_math(seed, workflow, compact, row, team=None, turns=4, **_):
+    if team:  # --team: n reasoners, m tool agents and a judge
+        return TeamMathEnv(row, *team)
+    if workflow == "solver_verifier":
+        return MathVerifyEnv(row, max_turns=turns)
+    return MathEnv(row, workflow)
+
+
+def _make_search(seed, workflow, compact, row, turns=4, search=None, **_):
+    return make_search(seed, workflow, compact, turns, row=row, **(search or {}))
+
+
+TWO_AGENTS = {"mas": ("tool", "plan"), "single": ("plan",)}
+TASKS = {
+    "plan": dict(make=_game(PlanPath, size=4, p_block=0.2), workflows=TWO_AGENTS, generated=True,
+                 train=[], test=[], answer_tokens=8, warmup="turn", counters=("timeouts",)),
+    "sokoban": dict(make=_game(Sokoban), workflows=TWO_AGENTS, generated=True, train=[], test=[],
+                    answer_tokens=8, warmup="turn", counters=("timeouts",)),
+    "sudoku": dict(make=_game(Sudoku), workflows=TWO_AGENTS, generated=True, train=[], test=[],
+                   answer_tokens=17, warmup="turn", counters=("timeouts",)),
+    "code": dict(make=_make_code, workflows={"mas": ("coder", "tester"), "single": ("coder",)},
+                 generated=False, answer_tokens=0, warmup="none", counters=("timeouts",),
                  train=["code/train/leetcode_train.jsonl", "code/train/livecodebench_v5_2305_2407_public.jsonl"],
                  test=["code/test/livecodebench_v5_2408_2501_public.jsonl", "code/test/code_contests_test.jsonl",
                        "code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl"]),
-    "math": dict(workflows={"mas": ("tool", "reasoner"), "single": ("reasoner",),
-                            "solver_verifier": ("solver", "verifier")},
+    "math": dict(make=_make_math, workflows={"mas": ("tool", "reasoner"), "single": ("reasoner",),
+                                             "solver_verifier": ("solver", "verifier")},
+                 generated=False, answer_tokens=0, warmup="none", counters=("timeouts",),
                  train=["math/train/math_train.jsonl", "math/train/aime_1983_2023.jsonl"],
                  test=["math/test/aime2024.jsonl", "math/test/aime2025.jsonl", "math/test/olympiadbench.jsonl",
                        "math/test/math500.jsonl", "math/test/gsm8k_test.jsonl", "math/test/amc23.jsonl"]),
-    "search": dict(workflows={"mas": ("verifier", "search", "answer")}),
+    # generated worlds, or Search-R1's / HotpotQA's questions with --search_train / --search_test
+    "search": dict(make=_make_search, workflows={"mas": ("verifier", "search", "answer")}, generated=True,
+                   train=[], test=[], answer_tokens=3, warmup="calls",
+                   counters=("timeouts", "search_calls", "search_failures")),
 }
-GENERATED = ("plan", "sokoban", "sudoku", "search")  # instances from seeds (search: without --search_train)
-WORKFLOWS = sorted({w for t in TASKS.values() for w in t["workflows"]})
-COMPACT = {"plan": dict(size=4, p_block=0.2), "sokoban": {}, "sudoku": {}}
-# the compact answer's length in tokens of the tiny byte-level tokenizer, end of turn included (the
-# response budget)
-COMPACT_ANSWER_TOKENS = {"plan": 8, "sokoban": 8, "sudoku": 17, "search": 3}
+# what the envs count as they run, cumulative in this process: the step log prints each task's own
+# (TASKS[...]["counters"]) as the step's increase; an alarm is printed when its counter rises
+COUNTERS = {
+    "timeouts": lambda: sandbox.stats["timeouts"],  # programs killed at their time limit
+    "search_calls": lambda: retrieval.stats["calls"],  # retrievals run
+    "search_failures": lambda: retrieval.stats["failures"],  # ... that failed (the agent saw it)
+}
+ALARMS = {"search_failures": "searches failed this step (the agents saw them as failed; is the "
+                             "retriever up?)"}
+
+
+def counts(task):
+    """The task's counters now: {name: count} (COUNTERS)."""
+    return {name: COUNTERS[name]() for name in TASKS[task]["counters"]}
 
 
 def task_roles(task, workflow="mas"):
@@ -1290,16 +1399,31 @@ def task_roles(task, workflow="mas"):
 
 
 def check_task(task, workflow="mas"):
+    """The task and workflow exist and the task's entry is whole: one line naming what is not."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
-    if workflow not in TASKS[task]["workflows"]:
+    spec = TASKS[task]
+    for key, what in TASK_KEYS.items():
+        if key not in spec:
+            raise ValueError(f"TASKS[{task!r}] has no {key!r}: {what}")
+    if workflow not in spec["workflows"]:
         raise ValueError(f"task {task!r} has no workflow {workflow!r}: use --workflow "
-                         + " or ".join(TASKS[task]["workflows"]))
-
-
-def make_game(task, seed, workflow="mas", compact=False):
-    cls = {"plan": PlanPath, "sokoban": Sokoban, "sudoku": Sudoku}[task]
-    return cls(seed, workflow=workflow, compact=compact, **(COMPACT[task] if compact else {}))
+                         + " or ".join(spec["workflows"]))
+    if not spec["workflows"][workflow]:
+        raise ValueError(f"TASKS[{task!r}]['workflows'][{workflow!r}] names no roles: list the agents "
+                         "that speak, in order")
+    unknown = [name for name in spec["counters"] if name not in COUNTERS]
+    if unknown:
+        raise ValueError(f"TASKS[{task!r}]['counters'] names {unknown[0]!r}, which envs.COUNTERS does not "
+                         "read: add it there")
+    if spec["warmup"] not in WARMUPS:
+        raise ValueError(f"TASKS[{task!r}]['warmup'] is {spec['warmup']!r}: use one of {', '.join(WARMUPS)}")
+    if spec["warmup"] != "none" and not spec["generated"]:
+        raise ValueError(f"TASKS[{task!r}]: the tiny base's warm-up draws instances from seeds, and this "
+                         "task's come from files: warmup 'none', or generated True")
+    if spec["warmup"] != "none" and not hasattr(make_env(task, 0, workflow, compact=True), "random_answer"):
+        raise ValueError(f"TASKS[{task!r}]: the warm-up answers with env.random_answer(role, rng, moves), "
+                         "which its env does not have")
 
 
 def load_split(task, split, files=None):
@@ -1321,25 +1445,19 @@ def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=
     """`team` (n, m, mode): math with n reasoners, m tool agents and a judge (TeamMathEnv). `turns`:
     the turn limit of the workflows that end themselves there (solver_verifier, search). `search`:
     the search task's settings, a dict of topk, retriever, metric."""
-    check_task(task, workflow)
-    if task in ("plan", "sokoban", "sudoku"):
-        return make_game(task, seed, workflow, compact)
-    if task == "search":
-        return make_search(seed, workflow, compact, turns, row=row, **(search or {}))
-    if row is None:
+    if task not in TASKS or workflow not in TASKS[task]["workflows"]:
+        check_task(task, workflow)
+    if row is None and not TASKS[task]["generated"]:
         raise ValueError(f"task {task!r} needs a dataset row (see load_split)")
-    if team:
-        return TeamMathEnv(row, *team)
-    if workflow == "solver_verifier":
-        return MathVerifyEnv(row, max_turns=turns)
-    return CodeEnv(row, workflow, train_tests=train_tests) if task == "code" else MathEnv(row, workflow)
+    return TASKS[task]["make"](seed=seed, workflow=workflow, compact=compact, row=row,
+                               train_tests=train_tests, team=team, turns=turns, search=search)
 
 
 def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None, turns=4,
              search=None):
     """Fixed evaluation instances: generated games and worlds from the reserved test seeds, datasets
     from their test files (search: --search_test)."""
-    if task in GENERATED and not files:
+    if TASKS[task]["generated"] and not files:
         if (limit or n) > MAX_TEST:
             raise ValueError(f"at most {MAX_TEST} test instances are reserved for {task}")
         return [make_env(task, TEST_SEED0 + i, workflow, compact, turns=turns, search=search)
@@ -1348,19 +1466,22 @@ def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None,
     return [make_env(task, workflow=workflow, row=r, team=team, turns=turns, search=search) for r in rows]
 
 
+def test_boards(task, compact):
+    """The boards of a game's reserved test seeds (computed once)."""
+    if (task, compact) not in _TEST_BOARDS:
+        _TEST_BOARDS[task, compact] = {make_env(task, TEST_SEED0 + i, compact=compact).board()
+                                       for i in range(MAX_TEST)}
+    return _TEST_BOARDS[task, compact]
+
+
 def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None, turns=4,
               search=None):
     """A fresh training instance: a game or world seed below TEST_SEED0, or a random row of the
     training pool."""
-    if task == "search" and not rows:
-        return make_env(task, rng.randrange(TEST_SEED0), workflow, compact, turns=turns, search=search)
-    if task in ("plan", "sokoban", "sudoku"):
-        key = (task, compact)
-        if key not in _TEST_BOARDS:
-            _TEST_BOARDS[key] = {make_game(task, TEST_SEED0 + i, compact=compact).board() for i in range(MAX_TEST)}
+    if TASKS[task]["generated"] and not rows:
         while True:
-            env = make_game(task, rng.randrange(TEST_SEED0), workflow, compact)
-            if env.board() not in _TEST_BOARDS[key]:
+            env = make_env(task, rng.randrange(TEST_SEED0), workflow, compact, turns=turns, search=search)
+            if not hasattr(env, "board") or env.board() not in test_boards(task, compact):
                 return env
     return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests, team=team,
                     turns=turns, search=search)

@@ -76,7 +76,7 @@ def configure(argv):
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
     if not cfg["preset"]:
-        cfg["preset"] = config.default_preset(cfg["task"], tiny)
+        cfg["preset"] = config.default_preset(cfg["task"], tiny, T.PRESETS)
     overrides = T.PRESETS[cfg["preset"]]
     for k, v in overrides.items():
         if k not in given and k in cfg:
@@ -99,7 +99,7 @@ def configure(argv):
     context = min(c.get("max_position_embeddings", 40960) for c in configs)
     config.fit_sampling(cfg, "eval_", context)
     # a tiny model plays the compact games
-    cfg["compact"] = tiny and cfg["task"] in E.GENERATED
+    cfg["compact"] = tiny and E.TASKS[cfg["task"]]["answer_tokens"] > 0
     return cfg, paths
 
 

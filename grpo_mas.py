@@ -2,10 +2,10 @@
 Grouping, advantages and the PPO-clip loss for multi-agent GRPO. Pure functions; imports torch only.
 
 The four schemes differ in which samples share a baseline (the group key) and what scalar is
-normalized inside the group (docs/method.md §4). The first three are two dictionaries below (`KEYS`,
-`VALUE`) feeding one loop (`compute_advantages`); GiGPO adds a second level of groups, the calls
-made from one state, in a function of its own (`gigpo_advantages`). `advantages` dispatches
---algo, with the std schedule, for every scheme.
+normalized inside the group (docs/method.md §4): one entry of the table below (`ALGOS`) each, with
+its rollout and the flags it accepts. The first three feed one loop (`compute_advantages`); GiGPO
+adds a second level of groups, the calls made from one state, in a function of its own
+(`gigpo_advantages`). `advantages` dispatches --algo, with the std schedule, for every scheme.
 
     algo      group key             normalized value                   statistics over
     at_grpo   (env, agent, turn)    the call's reward a*team + local   the K sibling candidates (tree)
@@ -32,17 +32,42 @@ import torch
 # -----------------------------------------------------------------------------
 # groups and advantages
 
-KEYS = {  # which samples share a baseline
-    "at_grpo": lambda s: (s.env, s.role, s.turn),
-    "grpo": lambda s: (s.env,),
-    "dr_mas": lambda s: (s.env, s.role),
-}
-VALUE = {  # what is normalized inside the group
-    "at_grpo": lambda s: s.reward,
-    "grpo": lambda s: s.ret,
-    "dr_mas": lambda s: s.reward,
-}
 SCALES = ("group", "none", "batch")
+
+
+@dataclass(frozen=True)
+class Algo:
+    """One --algo: a new scheme is one entry of ALGOS, read by train.py (the rollout, the returns),
+    config.py (its checks, --algo's choices) and the tests (a smoke run of each)."""
+    rollout: str        # "tree": K candidates per (agent, turn), the best continues; "plain": K
+                        # independent trajectories per env
+    key: object         # which samples share a baseline (gigpo: its episode groups, see below)
+    value: object       # what is normalized inside the group
+    unit: object        # one value per unit: grpo counts an agent's return once per trajectory
+    returns: bool       # s.ret, the agent's return in its trajectory, is needed (trajectory_returns)
+    anchor_groups: bool  # gigpo's second level: the calls made from one state (gigpo_advantages)
+    scales: tuple       # the --scale_rewards it accepts
+    outcome: bool       # --reward outcome applies: every call has a final outcome (plain rollouts)
+    fixed: dict         # flags a preset does not set for it (a flag given by hand is checked)
+
+
+ALGOS = {
+    "at_grpo": Algo(rollout="tree", key=lambda s: (s.env, s.role, s.turn), value=lambda s: s.reward,
+                    unit=id, returns=False, anchor_groups=False, scales=SCALES, outcome=False,
+                    fixed={}),
+    "grpo": Algo(rollout="plain", key=lambda s: (s.env,), value=lambda s: s.ret,
+                 unit=lambda s: (s.traj, s.role), returns=True, anchor_groups=False, scales=SCALES,
+                 outcome=True, fixed={}),
+    "dr_mas": Algo(rollout="plain", key=lambda s: (s.env, s.role), value=lambda s: s.reward,
+                   unit=id, returns=False, anchor_groups=False, scales=SCALES, outcome=True,
+                   fixed={}),
+    # gigpo normalizes within its own two kinds of groups (episodes and anchor states): a preset's
+    # DAPO filter and step-wide std do not apply; `key` is its episode groups with --gigpo_episode agent
+    "gigpo": Algo(rollout="plain", key=lambda s: (s.env, s.role), value=lambda s: s.reward,
+                  unit=id, returns=False, anchor_groups=True, scales=("group", "none"),
+                  outcome=True,
+                  fixed={"dynamic_sampling": 0, "scale_rewards": "group", "batch_std_steps": 0}),
+}
 ZERO_VAR = 1e-12  # a group whose values' std is below this has no signal (advantage 0)
 
 
@@ -76,7 +101,7 @@ def groups_of(samples, algo):
     """{group key: its samples, in generation order} for the algo's key."""
     groups = defaultdict(list)
     for s in samples:
-        groups[KEYS[algo](s)].append(s)
+        groups[ALGOS[algo].key(s)].append(s)
     return groups
 
 
@@ -86,22 +111,21 @@ def population_std(x):
 
 
 def group_values(group, algo):
-    """The values a group's mean and std are taken over: one per sample, except for grpo, where an
-    agent's return is the same on each of its turns and counts once per (trajectory, agent)."""
-    if algo != "grpo":
-        return [VALUE[algo](s) for s in group]
-    returns = {}
+    """The values a group's mean and std are taken over: one per unit (one per sample, except for
+    grpo, where an agent's return is the same on each of its turns and counts once per (trajectory,
+    agent))."""
+    units = {}
     for s in group:
-        returns.setdefault((s.traj, s.role), s.ret)
-    return list(returns.values())
+        units.setdefault(ALGOS[algo].unit(s), ALGOS[algo].value(s))
+    return list(units.values())
 
 
 def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_sum=lambda v: v, eps=1e-6,
                        std_floor=0.0):
     """Sets s.adv on every sample; returns (the samples kept for training, GroupStats).
     `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
-    if algo not in KEYS:
-        raise ValueError(f"unknown algo {algo!r}: use --algo at_grpo, grpo, dr_mas or gigpo")
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algo {algo!r}: use --algo {', '.join(ALGOS)}")
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
     if not std_floor >= 0.0:
@@ -131,7 +155,7 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
         else:
             divisor = max(batch_std, std_floor) + eps
         for s in group:
-            s.adv = (VALUE[algo](s) - mean) / divisor
+            s.adv = (ALGOS[algo].value(s) - mean) / divisor
         sizes.append(len(group))
         if std < ZERO_VAR:  # all K equal: advantage 0, no signal
             zero_var += 1
@@ -234,7 +258,7 @@ def advantages(samples, scheme, step, all_sum=lambda v: v):
     scale = scheme.scale_rewards
     if scale == "group" and step < scheme.batch_std_steps:
         scale = "batch"
-    if scheme.algo == "gigpo":  # episode groups plus anchor-state step groups
+    if ALGOS[scheme.algo].anchor_groups:  # gigpo: episode groups plus anchor-state step groups
         return gigpo_advantages(samples, scheme.gigpo_gamma, scheme.gigpo_step_weight, scale,
                                 episode=scheme.gigpo_episode)
     return compute_advantages(samples, scheme.algo, scheme.drop_zero_var, scale, all_sum,

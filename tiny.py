@@ -97,11 +97,12 @@ def cache_dir():
 
 
 def base_path(cfg, size="tiny"):
-    """The cached base of this run's task, seed, size and warm-up settings, in cache_dir()."""
-    settings = dict(version=TINY_VERSION, task=cfg["task"], seed=cfg["seed"], size=size,
-                    warmup_steps=cfg["warmup_steps"], warmup_moves=cfg["warmup_moves"])
+    """The cached base of this run's task, workflow, seed, size and warm-up settings, in cache_dir()."""
+    settings = dict(version=TINY_VERSION, task=cfg["task"], workflow=cfg["workflow"], seed=cfg["seed"],
+                    size=size, warmup_steps=cfg["warmup_steps"], warmup_moves=cfg["warmup_moves"])
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    name = f"tiny-base-{cfg['task']}-s{cfg['seed']}" + ("" if size == "tiny" else f"-{size}") + f"-{digest}"
+    sized = "" if size == "tiny" else f"-{size}"
+    name = f"tiny-base-{cfg['task']}-{cfg['workflow']}-s{cfg['seed']}{sized}-{digest}"
     return os.path.join(cache_dir(), name)
 
 
@@ -146,7 +147,7 @@ def _build_base(path, cfg, size):
     if state is None:
         shutil.rmtree(tmp, ignore_errors=True)
     m = build_tiny(tmp, seed=cfg["seed"], size=size)
-    if task in E.GENERATED and cfg["warmup_steps"] > 0:
+    if E.TASKS[task]["warmup"] != "none" and cfg["warmup_steps"] > 0:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(tmp)
         rng = random.Random(cfg["seed"])
@@ -161,11 +162,12 @@ def _build_base(path, cfg, size):
         end = [tok.convert_tokens_to_ids("<|im_end|>")]
         total = cfg["warmup_steps"]
         again = f", on from step {first}" if first else ""
-        print(f"format warm-up of the tiny base: {total} steps{again}, once per task, seed and "
+        print(f"format warm-up of the tiny base: {total} steps{again}, once per task, workflow, seed and "
               f"warm-up (cached in {path})", flush=True)
         t0 = t_print = t_save = time.time()
         for it in range(first, total):
-            batch = warmup_batch(task, tok, agents, rng, cfg["warmup_moves"], end)
+            batch = warmup_batch(task, tok, agents, rng, cfg["warmup_moves"], end,
+                                 workflow=cfg["workflow"])
             loss = sft_step(m, opt, batch)
             now = time.time()
             if now - t_save >= WARMUP_SAVE_S and it + 1 < total:
@@ -177,30 +179,55 @@ def _build_base(path, cfg, size):
                       f"eta {eta:.0f}s", flush=True)
                 t_print = now
         M.save_model(m, tmp)
-    json.dump(
-        {k: cfg[k] for k in ("task", "seed", "warmup_steps", "warmup_moves")} | {"size": size, "version": TINY_VERSION},
-        open(os.path.join(tmp, "warmup.json"), "w"),
-    )
+    kept = ("task", "workflow", "seed", "warmup_steps", "warmup_moves")
+    json.dump({k: cfg[k] for k in kept} | {"size": size, "version": TINY_VERSION},
+              open(os.path.join(tmp, "warmup.json"), "w"))
     if os.path.exists(state_path):
         os.remove(state_path)
     os.replace(tmp, path)
 
 
-def warmup_batch(task, tok, agents, rng, moves, end, size=32):
-    """One format warm-up batch: `size` (prompt ids, answer ids) pairs, each a random role's
-    observation and a random well-formed answer of up to `moves` moves."""
-    batch, roles = [], E.task_roles(task)
-    for _ in range(size):
-        if task == "search":
-            batch.append(search_warmup_pair(tok, agents, rng, end))
+def warmup_batch(task, tok, agents, rng, moves, end, size=32, workflow="mas"):
+    """One format warm-up batch: `size` (prompt ids, answer ids) pairs, each a role's observation and
+    a random well-formed answer (the env's `random_answer`), drawn as the task's entry says
+    (envs.TASKS: "turn" or "calls")."""
+    pair = {"turn": turn_pair, "calls": calls_pair}[E.TASKS[task]["warmup"]]
+    return [pair(task, workflow, tok, agents, rng, moves, end) for _ in range(size)]
+
+
+def turn_pair(task, workflow, tok, agents, rng, moves, end):
+    """A random role's observation of a fresh compact instance, mostly (70%) after the turn's
+    earlier speakers answered (the plan agent mostly sees a tool agent's answer first)."""
+    env = E.train_env(task, rng, workflow, compact=True)
+    roles = E.task_roles(task, workflow)
+    role = rng.choice(roles)
+    if role != roles[0] and rng.random() < 0.7:
+        while not env.done and env.speakers() and role not in env.speakers():
+            for speaker in env.speakers():
+                env.step(speaker, env.random_answer(speaker, rng, moves))
+    answer = tok.encode(env.random_answer(role, rng, moves), add_special_tokens=False)
+    return agents.render(env.observe(role)), answer + end
+
+
+def calls_pair(task, workflow, tok, agents, rng, moves, end):
+    """A fresh compact instance played for a random number of calls with random well-formed answers,
+    then the next speaker's observation and answer, for a role drawn first (each role equally
+    often): the workflow's routing as it happens, never the world's facts."""
+    role = rng.choice(E.task_roles(task, workflow))
+    while True:
+        env = E.train_env(task, rng, workflow, compact=True, search=dict(topk=1))
+        for _ in range(rng.randrange(6)):
+            if env.done:
+                break
+            if not env.speakers():
+                env.end_turn()
+                continue
+            speaker = env.speakers()[0]
+            env.step(speaker, env.random_answer(speaker, rng, moves))
+        if env.done or env.speakers() != (role,) or not env.warmup_view(role):
             continue
-        env = E.train_env(task, rng, compact=True)
-        role = rng.choice(roles)
-        if role == "plan" and rng.random() < 0.7:  # the plan agent mostly sees a tool agent's answer first
-            env.step("tool", random_answer(task, rng, moves, env))
-        answer = tok.encode(random_answer(task, rng, moves, env), add_special_tokens=False)
-        batch.append((agents.render(env.observe(role)), answer + end))
-    return batch
+        answer = tok.encode(env.random_answer(role, rng, moves), add_special_tokens=False)
+        return agents.render(env.observe(role)), answer + end
 
 
 def save_warmup_state(path, m, opt, rng, step):
@@ -209,65 +236,6 @@ def save_warmup_state(path, m, opt, rng, step):
     state = {"model": m.state_dict(), "opt": opt.state_dict(), "rng": rng.getstate(), "step": step}
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
-
-
-def random_answer(task, rng, max_moves=4, game=None):
-    """A random well-formed answer: 1..max_moves random moves, or for Sudoku a 16-digit grid with 1..max_moves fills
-    (0 = "no answer"). Given the `game`, the answers are legal there: Sokoban's moves walk into no wall and push the
-    box into none; Sudoku's fills are random empty cells, each a random digit its row, column and box still allow
-    after the fills before it. That is the rules, as a real base model knows them, not the solution."""
-    if task == "sudoku":
-        cells = ["0"] * 16
-        if game is not None:
-            g = [row[:] for row in game.grid]
-            empty = [(r, c) for r in range(4) for c in range(4) if not g[r][c]]
-            for r, c in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
-                cand = [v for v in range(1, 5) if game.legal(g, r, c, v)]
-                if cand:
-                    g[r][c] = rng.choice(cand)
-                    cells[4 * r + c] = str(g[r][c])
-            return "".join(cells)
-        for i in rng.sample(range(16), rng.randint(1, max_moves)):
-            cells[i] = str(rng.randint(1, 4))
-        return "".join(cells)
-    if task == "sokoban" and game is not None:
-        state, out = (game.player, game.box), ""
-        for _ in range(rng.randint(1, max_moves)):
-            ok = {a: nxt for a in "UDLR" if (nxt := game.move(state, a))}
-            if not ok:
-                break
-            a = rng.choice(list(ok))
-            out, state = out + a, ok[a]
-        return out or rng.choice("UDLR")
-    return "".join(rng.choice("UDLR") for _ in range(rng.randint(1, max_moves)))
-
-
-def search_warmup_pair(tok, agents, rng, end):
-    """(prompt ids, answer ids) of the search workflow: a generated question played for a random
-    number of calls with random well-formed answers, then the next speaker's observation and a random
-    well-formed answer of its role: y or n; a letter, or a digit, among those its prompt shows (a real
-    model queries with words it read and answers with one it found; which one is for RL to learn). The
-    format, never the world's facts."""
-    def seen(env, chars):  # the letters or digits the observation shows, as a real model would copy
-        text = env.observe("search")[0]["content"]
-        return [c for c in text if c in chars] or list(chars)
-
-    answers = {"verifier": lambda env: rng.choice("yn"), "search": lambda env: rng.choice(seen(env, E.NAMES)),
-               "answer": lambda env: rng.choice(seen(env, "0123456789"))}
-    role = rng.choice(E.task_roles("search"))  # each role a third of the examples
-    while True:
-        env = E.train_env("search", rng, compact=True, search=dict(topk=1))
-        for _ in range(rng.randrange(6)):
-            if env.done:
-                break
-            if not env.speakers():
-                env.end_turn()
-                continue
-            speaker = env.speakers()[0]
-            env.step(speaker, answers[speaker](env))
-        if env.done or env.speakers() != (role,) or (role == "answer" and not env.history):
-            continue  # answers are learnt with passages in view: what copying a digit is learnt from
-        return agents.render(env.observe(role)), tok.encode(answers[role](env), add_special_tokens=False) + end
 
 
 def sft_step(m, opt, batch):

@@ -9,7 +9,8 @@ One step, the phases of `main`'s loop: collect (E fresh envs per rank, tree roll
 -> advantages (grpo_mas.py) -> one PPO-clip update per policy on its roles' samples -> sync (the
 new weights into each policy's engine) -> log, evaluate, checkpoint. The method in words:
 docs/method.md. Flags and checks: config.py; who plays which role: policies.py; micro-batches:
-batching.py; torchrun and checkpoints: common.py; the tiny default's base: tiny.py.
+batching.py; the step's record and line: steplog.py; torchrun and checkpoints: common.py; the
+tiny default's base: tiny.py. A new task, scheme or workflow: docs/extending.md.
 
 What this script simplifies, and why:
  1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the
@@ -32,7 +33,6 @@ import os
 import random
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
@@ -44,8 +44,8 @@ import envs as E
 import grpo_mas as G
 import memory
 import policies as P
-import retrieval
 import sandbox
+import steplog
 import tiny
 from batching import DUMMY, collate, micro_batches
 from grpo_mas import make_rows, ppo_loss, split_minibatches
@@ -193,11 +193,10 @@ PRESETS = {
                     "eval_max_new_tokens": 3, "search_topk": 1, "warmup_moves": 1},
 }
 CHOICES = {
-    "task": list(E.TASKS),
+    "task": E.TASKS,
     "preset": ["", *PRESETS],
-    "algo": ["at_grpo", "grpo", "dr_mas", "gigpo"],
+    "algo": G.ALGOS,  # the table itself: a scheme added to it is a choice
     "gigpo_episode": list(G.GIGPO_EPISODES),
-    "workflow": E.WORKFLOWS,
     "policies": ["shared", "per_role", "per_type", "lora"],
     "team_mode": ["aggregate", "refine"],
     "engine": ["vllm", "torch", "scripted"],
@@ -371,16 +370,22 @@ class Tasks:
 
 def load_tasks(cfg):
     """The training envs' source and the held-out envs (the in-run evaluation's)."""
-    files = [cfg["search_train"]] if cfg["search_train"] else None
+    spec, files = E.TASKS[cfg["task"]], [cfg["search_train"]] if cfg["search_train"] else None
     rows = []
-    if cfg["task"] in ("code", "math") or files:
+    if not spec["generated"] or files:
         rows = E.load_split(cfg["task"], "train", files)
-    tasks = Tasks(cfg["task"], cfg["workflow"], P.is_tiny(cfg) and cfg["task"] in E.GENERATED,
-                  rows, P.parse_team(cfg), cfg["turns"], config.search_settings(cfg))
+        if not rows:
+            raise SystemExit(f"task {cfg['task']!r} has no training rows: list its files in envs.TASKS")
+    compact = P.is_tiny(cfg) and spec["answer_tokens"] > 0  # the tiny model plays the compact form
+    tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, P.parse_team(cfg), cfg["turns"],
+                  config.search_settings(cfg))
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=tasks.compact,
                            workflow=cfg["workflow"], files=test_files, limit=cfg["eval_n"],
                            team=tasks.team, turns=cfg["turns"], search=tasks.search)
+    if not test_envs:
+        raise SystemExit(f"task {cfg['task']!r} has no held-out instances: give its test files "
+                         "(envs.TASKS) or generate them (generated=True)")
     return tasks, test_envs
 
 
@@ -398,9 +403,7 @@ class Collected:
     rollouts: int          # rollouts made, the first included (DAPO: up to --dynamic_sampling)
     refill_zero_var: float  # DAPO's refill: of every group generated, those without a signal
     seconds: dict          # generation ("gen") and env scoring ("env")
-    timeouts: int          # sandbox programs killed at their time limit
-    search_calls: int      # retrievals run, and failed (the agent saw a failed search)
-    search_failures: int
+    counts: dict           # the env's counters over the rollouts (envs.COUNTERS: timeouts, searches)
 
 
 class Rollouts:
@@ -419,7 +422,8 @@ class Rollouts:
             return []
         envs = self.tasks.fresh(self.rng, n_envs)
         sampling = cfg["role_sampling"]
-        if cfg["algo"] == "at_grpo":
+        algo = G.ALGOS[cfg["algo"]]
+        if algo.rollout == "tree":
             samples = tree_rollout(envs, self.agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
                                    cfg["branch"], self.rng, self.timer)
             episodes = envs
@@ -428,7 +432,8 @@ class Rollouts:
                                            cfg["alpha"], self.timer)
             if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
                 G.outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
-            G.trajectory_returns(samples)
+            if algo.returns:
+                G.trajectory_returns(samples)
             episodes = [e for ts in trajs for e in ts]
         for s in samples:
             s.env += self.envs
@@ -444,7 +449,7 @@ def collect(cfg, step, rank, agents, tasks, n_envs):
     DAPO's refill: more fresh envs until enough groups carry a signal (grpo_mas.dapo_fill)."""
     rng = random.Random(f"{cfg['seed']}-{step}-{rank}")
     agents.reseed(step_seed(cfg["seed"], step, rank))
-    timeouts, searches = sandbox.stats["timeouts"], dict(retrieval.stats)
+    counts_before = E.counts(cfg["task"])
     rollouts = Rollouts(cfg, agents, tasks, rng)
     samples = rollouts.more(n_envs)
     n_rollouts, refill_zero_var = 1, 0.0
@@ -455,9 +460,7 @@ def collect(cfg, step, rank, agents, tasks, n_envs):
     return Collected(samples=samples, generated=rollouts.generated,
                      success=rollouts.solved / rollouts.episodes, rollouts=n_rollouts,
                      refill_zero_var=refill_zero_var, seconds=rollouts.timer,
-                     timeouts=sandbox.stats["timeouts"] - timeouts,
-                     search_calls=retrieval.stats["calls"] - searches["calls"],
-                     search_failures=retrieval.stats["failures"] - searches["failures"])
+                     counts={k: v - counts_before[k] for k, v in E.counts(cfg["task"]).items()})
 
 
 def trained_roles(cfg, roles, step):
@@ -469,145 +472,6 @@ def trained_roles(cfg, roles, step):
         return {chosen[(step // cfg["alternate_every"]) % len(chosen)]}
     return set(chosen)
 
-
-# -----------------------------------------------------------------------------
-# the step's log: one metrics.jsonl record and one printed line
-
-
-@dataclass
-class StepStats:
-    """This rank's share of a step, gathered over ranks into the step's record."""
-    success: float       # episodes that ended in success / episodes
-    samples: int         # generated
-    trained_samples: int
-    rollouts: int
-    loss: float          # summed over the policies' updates
-    response_tokens: int
-    formatted: int       # samples whose answer parsed
-    rewards: dict        # mean reward per role and per role@turn (grpo_mas.by_agent_turn)
-    calls: dict          # model calls per role (agents may speak a different number of times)
-    tokens: dict         # response tokens per role
-    zero_var_frac: float
-    group_size: float
-    timeouts: int
-    search_calls: int
-    search_failures: int
-    seconds: dict        # gen, env (the rollouts), train, sync, step
-    mem: dict            # CUDA: the allocator's peak per phase, GiB
-
-
-def rank_stats(cfg, batch, samples, groups, updates, clock):
-    """This rank's StepStats: the rewards and tokens of every sample generated; the freeze (groups
-    without a signal) over every group generated, with DAPO's refill as without it."""
-    generated = batch.generated
-    zero_var = batch.refill_zero_var if cfg["dynamic_sampling"] else groups.zero_var_frac
-    calls = Counter(s.role for s in generated)
-    tokens = {r: sum(len(s.response_ids) for s in generated if s.role == r) for r in calls}
-    return StepStats(
-        success=batch.success, samples=len(generated), trained_samples=len(samples),
-        rollouts=batch.rollouts, loss=sum(u.loss for u in updates),
-        response_tokens=sum(len(s.response_ids) for s in generated),
-        formatted=sum(s.formatted for s in generated), rewards=G.by_agent_turn(generated),
-        calls=calls, tokens=tokens, zero_var_frac=zero_var, group_size=groups.group_size,
-        timeouts=batch.timeouts, search_calls=batch.search_calls,
-        search_failures=batch.search_failures,
-        seconds=dict(gen=batch.seconds.get("gen", 0.0), env=batch.seconds.get("env", 0.0),
-                     train=clock.seconds["train"], sync=clock.seconds["sync"],
-                     step=clock.elapsed()),
-        mem={f"mem_{phase}": gib for phase, gib in clock.peak_gib.items()})
-
-
-def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master):
-    """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is
-    the stale-sync alarm: bf16 vLLM against the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so
-    only a jump against this run's own recent level means something (an engine that stopped
-    receiving weights)."""
-    ranks = C.gather(mine)
-    world = len(ranks)
-    n_samples = sum(r.samples for r in ranks)
-    rec = {"step": step + 1,
-           "success": sum(r.success for r in ranks) / world,
-           "samples": n_samples,
-           "samples_per_rank": [r.samples for r in ranks],
-           "loss": sum(r.loss for r in ranks),
-           "format_ok": sum(r.formatted for r in ranks) / max(1, n_samples),
-           "resp_tokens": sum(r.response_tokens for r in ranks),
-           "lr_factor": lr_factor(cfg, step),
-           "lr_steps": cfg["lr_steps"] or cfg["steps"],
-           "timeouts": sum(r.timeouts for r in ranks)}
-    if cfg["task"] == "search":
-        rec["search_calls"] = sum(r.search_calls for r in ranks)
-        rec["search_failures"] = sum(r.search_failures for r in ranks)
-        if rec["search_failures"] and master:
-            print(f"warning: {rec['search_failures']} of {rec['search_calls']} searches failed this step "
-                  "(the agents saw them as failed; is the retriever up?)", flush=True)
-    for role in roles:
-        vals = [r.rewards[role] for r in ranks if role in r.rewards]
-        rec[f"reward_{role}"] = sum(vals) / max(1, len(vals))
-        rec[f"calls_{role}"] = sum(r.calls.get(role, 0) for r in ranks)
-        rec[f"tokens_{role}"] = sum(r.tokens.get(role, 0) for r in ranks)
-    rec["zero_var_frac"] = sum(r.zero_var_frac for r in ranks) / world
-    rec["group_size"] = sum(r.group_size for r in ranks) / world
-    summed = ("tokens", "clip_tokens", "clamped_tokens", "dlogp", "kl_sum", "entropy_sum", "sampled_nll",
-              "trained_tokens")
-    rec["trained_tokens"] = 0.0
-    for p, u in enumerate(updates):
-        tot = dict(zip(summed, C.all_sum([getattr(u, k) for k in summed])))
-        tokens = max(1, tot["tokens"])
-        rec["trained_tokens"] += tot["trained_tokens"]
-        rec[f"clip_frac_p{p}"] = tot["clip_tokens"] / tokens
-        rec[f"dlogp_p{p}"] = tot["dlogp"] / tokens
-        rec[f"clamped_p{p}"] = int(tot["clamped_tokens"])
-        # the sampled tokens' mean -log p: a one-sample estimate of the per-token entropy at the
-        # sampling temperature, free (the sampler returned it); a freeze drives it toward 0
-        rec[f"nll_p{p}"] = tot["sampled_nll"] / tokens
-        recent = sorted(dlogp_hist[p][-10:])
-        median = recent[len(recent) // 2] if recent else 0.0
-        jump = bool(recent) and rec[f"dlogp_p{p}"] > max(1e-5, 3 * median)
-        rec[f"dlogp_jump_p{p}"] = jump
-        dlogp_hist[p].append(rec[f"dlogp_p{p}"])
-        if jump and master:
-            print(f"warning: policy {p}'s sampler/trainer |dlogp| jumped to {rec[f'dlogp_p{p}']:.1e} "
-                  f"(recent median {median:.1e}): is the engine receiving the weights?", flush=True)
-        rec[f"grad_norm_p{p}"] = u.grad_norm
-        rec[f"opt_steps_p{p}"] = u.opt_steps  # the same on every rank
-        rec[f"skipped_p{p}"] = u.skipped
-        rec[f"lr_p{p}"] = opts[p].param_groups[0]["lr"]
-        if cfg["kl_coef"]:
-            rec[f"kl_p{p}"] = tot["kl_sum"] / tokens
-        if cfg["entropy_coef"]:  # mean full-vocabulary entropy over the trained tokens (nats)
-            rec[f"entropy_p{p}"] = tot["entropy_sum"] / tokens
-    if len(trained) < len(roles):
-        rec["trained_roles"] = sorted(trained)
-    if cfg["dynamic_sampling"]:
-        rec["rollouts"] = sum(r.rollouts for r in ranks) / world
-        rec["trained_samples"] = sum(r.trained_samples for r in ranks)
-    rec.update({f"t_{k}": v for k, v in mine.seconds.items()})  # rank 0's own clock
-    if C.DEVICE.type == "cuda":  # the allocator's peak per phase, the largest over ranks (GiB)
-        for k in mine.mem:
-            rec[k] = max(r.mem[k] for r in ranks)
-    return rec
-
-
-def step_line(rec, roles, n_policies, eta):
-    """The one printed line per step."""
-    rewards = " ".join(f"r_{r} {rec[f'reward_{r}']:+.2f} ({rec[f'calls_{r}']})" for r in roles)
-    per_policy = " ".join(f"p{p} clip {rec[f'clip_frac_p{p}']:.3f} gn {rec[f'grad_norm_p{p}']:.2f} "
-                          f"|dlogp| {rec[f'dlogp_p{p}']:.1e}" for p in range(n_policies))
-    if "trained_roles" in rec:
-        rewards += " | trains " + ",".join(rec["trained_roles"])
-    if "rollouts" in rec:  # --dynamic_sampling
-        rewards += f" | rollouts {rec['rollouts']:.1f} trains {rec['trained_samples']} smp"
-    line = (f"step {rec['step']:4d} | succ {rec['success']:.2f} {rewards} | fmt {rec['format_ok']:.2f} "
-            f"zv {rec['zero_var_frac']:.2f} | {per_policy} | {rec['samples']} smp {rec['resp_tokens']} tok | "
-            f"gen {rec['t_gen']:.1f}s env {rec['t_env']:.1f}s train {rec['t_train']:.1f}s "
-            f"sync {rec['t_sync']:.1f}s")
-    skipped = sum(rec[f"skipped_p{p}"] for p in range(n_policies))
-    if skipped:
-        line += f" | {skipped} non-finite optimizer steps skipped"
-    if "mem_train" in rec:
-        line += f" | GiB gen {rec['mem_rollout']:.1f} train {rec['mem_train']:.1f} sync {rec['mem_sync']:.1f}"
-    return line + f" | eta {eta / 60:.1f}m"
 
 # -----------------------------------------------------------------------------
 # main: set up, then each step collect -> advantages -> update -> sync -> log / eval / checkpoint
@@ -627,6 +491,8 @@ def main(argv):
 
     # --- set up: the policies (models, optimizers, engines), the agents, the data, the run folder
     pols, role_to_policy = P.resolve(cfg)
+    # the data before any model: --task search asks its retriever once here, not after the warm-up
+    tasks, test_envs = load_tasks(cfg)
     bases = tiny.bases(cfg, pols, master, world)  # HF folders (the tiny ones built once, cached)
     start = C.open_run(cfg, pols, master)
     from transformers import AutoTokenizer
@@ -641,7 +507,6 @@ def main(argv):
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the node's cores shared by its ranks
         sandbox.set_workers(sandbox.per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
     agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"])
-    tasks, test_envs = load_tasks(cfg)  # --task search: a retrieval server is asked once here
     scheme = G.Scheme.of(cfg)  # how --algo turns rewards into advantages
     log = C.MetricsLog(cfg, master)
     roles = P.task_roles(cfg)
@@ -686,14 +551,15 @@ def main(argv):
         clock.lap("sync")
 
         # --- log, evaluate, checkpoint
-        mine = rank_stats(cfg, batch, samples, groups, updates, clock)
-        rec = step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master)
+        mine = steplog.rank_stats(cfg, batch, samples, groups, updates, clock)
+        rec = steplog.step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master,
+                                  lr_factor(cfg, step))
         rec["time"] = time.time() - t_run
         last = step + 1
         bad_steps = bad_steps + 1 if any(u.skipped for u in updates) else 0
         eta = C.eta_seconds(cfg, last, last - start.step, time.time() - t_process, rec["time"])
         if master:
-            print(step_line(rec, roles, len(pols), eta), flush=True)
+            print(steplog.step_line(rec, roles, len(pols), eta), flush=True)
         out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
         stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
         final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time or bad_steps == MAX_BAD_STEPS

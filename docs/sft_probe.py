@@ -3,7 +3,7 @@ policies read the room at all?"). RL leaves the tiny policy open-loop (one answe
 model's size or the view? This fine-tunes the cached tiny base on *solver* answers from the state shown (on training
 instances, and on states along their solutions as later turns see them) and saves it for eval.py:
 
-    python docs/sft_probe.py sokoban ~/.cache/at-grpo-mini/tiny-base-sokoban-s1-HASH runs/sft-probe-sokoban-s1 600
+    python docs/sft_probe.py sokoban ~/.cache/at-grpo-mini/tiny-base-sokoban-mas-s1-HASH runs/sft-probe-sokoban-s1 600
     python eval.py --task sokoban --model runs/sft-probe-sokoban-s1
 
 Sokoban's answer: the first 7 moves of a BFS-shortest solution (the tiny budget: 7 moves and the end of turn).
@@ -67,7 +67,7 @@ def main(task, base, out, steps):
                 continue
             role = rng.choice(["tool", "plan"])
             if role == "plan" and rng.random() < 0.7:  # the plan agent sees a tool answer, good or random
-                env.step("tool", answer if rng.random() < 0.5 else T.random_answer(task, rng, 4))
+                env.step("tool", answer if rng.random() < 0.5 else env.random_answer("tool", rng, 4))
             batch.append((agents.render(env.observe(role)), tok.encode(answer, add_special_tokens=False) + [end]))
         loss = T.sft_step(m, opt, batch)
         if (it + 1) % 100 == 0:

@@ -3,7 +3,7 @@ minutes go"). The 200 test rooms are split by the length of their shortest solut
 `shortest`) and by whether the player starts on the push spot (the line's first field is +0+0: the room needs pushes
 only, no walk). A policy that learned to push but not to walk solves the first rows and the "on the spot" rooms only:
 
-    python docs/sokoban_lengths.py ~/.cache/at-grpo-mini/tiny-base-sokoban-s1-HASH             # an untrained base
+    python docs/sokoban_lengths.py ~/.cache/at-grpo-mini/tiny-base-sokoban-mas-s1-HASH             # an untrained base
     python docs/sokoban_lengths.py runs/sokoban-s1/ckpt/policy-tool+plan   # a trained policy
 
 Greedy, both agents, the episode's 4 turns: eval.py's held-out protocol (train.py's evaluations), per room."""
@@ -35,7 +35,7 @@ def main(path, n=200):
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
     envs = E.test_set("sokoban", n=n, compact=True, workflow="mas")
-    greedy = every_role(temperature=0.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sokoban"])
+    greedy = every_role(temperature=0.0, max_new_tokens=E.TASKS["sokoban"]["answer_tokens"])
     res = evaluate(envs, agents, 4, greedy)  # plays clones of envs
     rows = table(envs, [x[0] for x in res["per_instance"]])
     print(f"{path}: greedy, 4 turns, {n} test rooms, held-out success {res['accuracy']:.3f}")

@@ -4,7 +4,7 @@ each digit of the greedy 16-digit answer below it is the unique solution's digit
 policy that fills every single-candidate cell each turn (0 elsewhere) solves 174 of the 200 test puzzles in 4 turns
 (README), so "1 cand" cells written with the solution's digit is the first thing to read:
 
-    python docs/sudoku_cells.py ~/.cache/at-grpo-mini/tiny-base-sudoku-s2-HASH          # an untrained base
+    python docs/sudoku_cells.py ~/.cache/at-grpo-mini/tiny-base-sudoku-mas-s2-HASH          # an untrained base
     python docs/sudoku_cells.py runs/sudoku-s2/ckpt/policy-tool+plan  # a trained policy
 
 The tool agent answers the view; the plan agent answers the view after the tool agent's greedy answer."""
@@ -43,7 +43,7 @@ def main(path, n=200):
     from rollout import Agents, every_role
     agents = Agents(AutoTokenizer.from_pretrained(path), [make_engine("torch", path, seed=0, max_len=512)],
                     {"tool": 0, "plan": 0}, max_prompt_tokens=256)
-    sp = every_role(temperature=0.0, top_p=1.0, max_new_tokens=E.COMPACT_ANSWER_TOKENS["sudoku"])
+    sp = every_role(temperature=0.0, top_p=1.0, max_new_tokens=E.TASKS["sudoku"]["answer_tokens"])
 
     def answer(role, envs):
         outs = agents.generate(role, [agents.render(e.observe(role)) for e in envs], 1, sp[role])
