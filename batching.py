@@ -1,18 +1,89 @@
 """
-The training batch's machinery: rows -> micro-batches by token budget -> padded tensors.
+The training batch: samples -> mini-batches (one optimizer step each) -> rows -> micro-batches by
+token budget -> padded tensors.
 
-grpo_mas.py lays samples out as rows (make_rows: plain, or a sibling group packed); this file
-cuts them into micro-batches that fit `--micro_batch_tokens`, pads every rank to the same
-number of FSDP forwards, and builds each micro-batch's tensors with the attention mask of
-packed rows: a dense bool mask for SDPA on CPU, a flex-attention BlockMask on CUDA at a bounded
-set of bucketed shapes (so flex compiles a bounded number of times). Imports torch and grpo_mas.
+A step's samples split into mini-batches (split_minibatches), each laid out as rows (make_rows:
+one sample a row, or a sibling group packed into one); the rows are cut into micro-batches that
+fit `--micro_batch_tokens`, every rank padded to the same number of FSDP forwards, and each
+micro-batch's tensors built with the attention mask of packed rows: a dense bool mask for SDPA on
+CPU, a flex-attention BlockMask on CUDA at a bounded set of bucketed shapes (so flex compiles a
+bounded number of times). Imports torch only.
 """
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from grpo_mas import Row
+# -----------------------------------------------------------------------------
+# samples -> mini-batches -> rows
+
+
+@dataclass
+class Row:
+    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed
+    (`--pack`): samples that share a prompt (AT-GRPO's K siblings share it by construction) in one
+    row: the prompt once, then each response in its own segment, which sees the prompt and itself
+    only, with positions that continue from the prompt's end, so every response token has exactly
+    the context it was sampled with and the prompt is trained once, not K times. `sel` are the
+    positions whose next-token distribution scores each target (the prompt's last position for every
+    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob), `temp` (the
+    temperature it was sampled at)."""
+    ids: list
+    pos: list
+    seg: list  # 0: prompt; k + 1: response k (its last token is a target only, never an input)
+    sel: list
+    tgt: list
+    adv: list
+    slp: list
+    temp: list
+    # pi_old's log-probs of `tgt` (a tensor), for mini-batches after the step's first
+    old: object = None
+
+
+def make_rows(samples, pack):
+    groups = {}
+    for s in samples:
+        if s.response_ids:
+            groups.setdefault(tuple(s.prompt_ids) if pack else id(s), []).append(s)
+    rows = []
+    for g in groups.values():
+        p = len(g[0].prompt_ids)
+        r = Row(ids=list(g[0].prompt_ids), pos=list(range(p)), seg=[0] * p, sel=[], tgt=[], adv=[], slp=[],
+                temp=[])
+        for k, s in enumerate(g):
+            n, start = len(s.response_ids), len(r.ids)
+            r.ids += s.response_ids[:-1]
+            r.pos += range(p, p + n - 1)
+            r.seg += [k + 1] * (n - 1)
+            r.sel += [p - 1] + list(range(start, start + n - 1))
+            r.tgt += s.response_ids
+            r.adv += [s.adv] * n
+            r.slp += s.sampler_logprobs
+            r.temp += [s.temperature] * n
+        rows.append(r)
+    return rows
+
+
+def split_minibatches(samples, n_mini, how):
+    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree
+    group's K siblings spread over the mini-batches and every step sees every env. groups: a group
+    of samples that share a prompt (AT-GRPO's K siblings) stays in one mini-batch, groups dealt
+    round-robin; packing needs this (siblings must meet in a row), and verl does the same in effect:
+    its rollouts repeat each prompt's n responses contiguously (`repeat(interleave=True)`) and its
+    mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
+    if how == "strided":
+        return [samples[i::n_mini] for i in range(n_mini)]
+    groups = {}
+    for s in samples:
+        groups.setdefault(tuple(s.prompt_ids), []).append(s)
+    chunks = [[] for _ in range(n_mini)]
+    for i, g in enumerate(groups.values()):
+        chunks[i % n_mini] += g
+    return chunks
+
+
+# -----------------------------------------------------------------------------
+# rows -> micro-batches -> tensors
 
 # a zero-weight row: keeps every rank's FSDP collectives in step
 DUMMY = Row(ids=[0, 0], pos=[0, 1], seg=[0, 0], sel=[0], tgt=[0], adv=[0.0], slp=[0.0], temp=[1.0])

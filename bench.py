@@ -269,6 +269,7 @@ def bench_refill(steps=3, repeats=2):
     group). Then the update on each step's kept samples, packed vs unpacked, `repeats` interleaved times (as
     bench_train). Medians over steps."""
     import copy
+    import batching
     import envs as E
     import grpo_mas as G
     import tiny
@@ -292,7 +293,7 @@ def bench_refill(steps=3, repeats=2):
             gen = sum(len(x.response_ids) for x in batch.generated)
             kept = [x for x in batch.samples if x.response_ids]
             resp = sum(len(x.response_ids) for x in kept)
-            fwd = {pack: sum(len(r.ids) for r in G.make_rows(kept, pack)) for pack in (False, True)}
+            fwd = {pack: sum(len(r.ids) for r in batching.make_rows(kept, pack)) for pack in (False, True)}
             per[mode].append(dict(rollouts=batch.rollouts, generated=len(batch.generated), kept=len(kept),
                                   gen_per_trained_resp=gen / max(1, resp), gen_per_fwd_unpacked=gen / max(1, fwd[0]),
                                   gen_per_fwd_packed=gen / max(1, fwd[1])))

@@ -3,6 +3,7 @@ What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): t
 collectives, checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
 """
 import contextlib
+import errno
 import json
 import os
 import re
@@ -239,12 +240,15 @@ def gather(obj):
 # checkpoints: HF folders per policy (transformers and vLLM load them as they are) + sharded resumable state (DCP)
 
 
-def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, export_dtype=None, elapsed=0.0):
+def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, export_dtype=None, elapsed=0.0,
+                    keep=2):
     """Per policy: ckpt/policy-{name}, an HF export, streamed (one gathered tensor at a time, rank 0 writes; LoRA: the
     base merged with the policy's adapter, so transformers, vLLM and eval.py load it as it is) and with LoRA
     ckpt/adapter-{name}, the adapter alone as a PEFT folder; ckpt/train-{name}: the trainable state and its optimizer
     as torch.distributed.checkpoint shards, each rank writing its own (torchtitan `checkpointer/dcp.py`), so no rank
-    ever holds the whole fp32 model or optimizer (LoRA: adapters only; the frozen base is the base folder)."""
+    ever holds the whole fp32 model or optimizer (LoRA: adapters only; the frozen base is the base folder).
+    The last `keep` checkpoints stay: ckpt (the newest), ckpt-1, ... (torchtitan's keep_latest_k), so
+    that a damaged one is never the only one (latest_intact)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     ck = os.path.join(out, "ckpt.tmp")
@@ -269,15 +273,92 @@ def save_checkpoint(out, step, models, opts, pols, tok, rank, metrics_path, expo
     if rank == 0:
         n_lines = sum(1 for _ in open(metrics_path)) if os.path.exists(metrics_path) else 0
         torch.save({"step": step, "metrics_lines": n_lines, "time": elapsed}, os.path.join(ck, "state.pt"))
-        final = os.path.join(out, "ckpt")
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        if os.path.exists(final):
-            os.replace(final, final + ".old")
-        os.replace(ck, final)
-        shutil.rmtree(final + ".old", ignore_errors=True)
+        place_checkpoint(ck, out, keep)
     STOP.saving, STOP.ckpt_step = False, step
     if OWN_GROUP:
         dist.barrier()
+
+
+def disk_full(error):
+    """A write that failed for want of space: the OS's ENOSPC, or a library's message for it."""
+    return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error)
+
+
+def drop_partial_checkpoint(out, rank):
+    """After a failed save: the half-written ckpt.tmp goes, the kept checkpoints stay."""
+    STOP.saving = False
+    if rank == 0:
+        shutil.rmtree(os.path.join(out, "ckpt.tmp"), ignore_errors=True)
+
+
+def checkpoint_dirs(out):
+    """The run folder's checkpoints, newest first: ckpt, ckpt-1, ckpt-2, ..."""
+    if not os.path.isdir(out):
+        return []
+    names = [n for n in os.listdir(out) if n == "ckpt" or re.fullmatch(r"ckpt-\d+", n)]
+    names.sort(key=lambda n: 0 if n == "ckpt" else int(n[5:]))
+    return [os.path.join(out, n) for n in names if os.path.isdir(os.path.join(out, n))]
+
+
+def place_checkpoint(new, out, keep):
+    """The folder `new` becomes ckpt; the older ones shift to ckpt-1, ckpt-2, ... and those beyond
+    `keep` are deleted, after the new one is in place (a crash in between leaves them all)."""
+    older = checkpoint_dirs(out)
+    for i in range(len(older) - 1, -1, -1):
+        os.replace(older[i], os.path.join(out, f"ckpt-{i + 1}"))
+    os.replace(new, os.path.join(out, "ckpt"))
+    for d in checkpoint_dirs(out)[keep:]:
+        shutil.rmtree(d)
+    shutil.rmtree(os.path.join(out, "ckpt.old"), ignore_errors=True)  # the layout before keep_ckpts
+
+
+def damage(ck):
+    """Why the checkpoint folder `ck` cannot be resumed from ("" when it can): its state.pt loads, every
+    safetensors file holds the bytes its header promises, every DCP shard the bytes its metadata
+    lists. A copy cut short or a disk error shows here, not as a traceback inside torch."""
+    import torch.distributed.checkpoint as dcp
+    state = os.path.join(ck, "state.pt")
+    try:
+        torch.load(state, weights_only=False)["step"]
+    except Exception as e:  # a cut zip archive, a missing file, a pickle error: all the same to a resume
+        return f"{state} does not load ({type(e).__name__})"
+    for root, _, files in os.walk(ck):
+        for f in files:
+            path = os.path.join(root, f)
+            if f.endswith(".safetensors"):
+                with open(path, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    try:
+                        header = json.loads(fh.read(n))
+                    except ValueError:
+                        return f"{path}: its header does not parse"
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                if os.path.getsize(path) < 8 + n + max(ends, default=0):
+                    return f"{path} is shorter than its header says"
+        if any(f.endswith(".distcp") for f in files):
+            try:
+                meta = dcp.FileSystemReader(root).read_metadata()
+            except Exception as e:
+                return f"{root}: its DCP metadata does not load ({type(e).__name__})"
+            need = {}
+            for item in meta.storage_data.values():
+                name = item.relative_path
+                need[name] = max(need.get(name, 0), item.offset + item.length)
+            for name, size in need.items():
+                if not os.path.isfile(os.path.join(root, name)) or os.path.getsize(os.path.join(root, name)) < size:
+                    return f"{os.path.join(root, name)} is shorter than its metadata says"
+    return ""
+
+
+def latest_intact(out, master=True):
+    """The newest checkpoint folder that can be resumed from, saying why a newer one cannot; None: none."""
+    for ck in checkpoint_dirs(out):
+        why = damage(ck)
+        if not why:
+            return ck
+        if master:
+            print(f"warning: checkpoint {ck} is damaged ({why}); trying the one before it", flush=True)
+    return None
 
 
 def save_adapter(model, name, path, base_path="", write=True):
@@ -355,6 +436,7 @@ class Start:
     step: int = 0
     time_before: float = 0.0   # training seconds before the checkpoint (--time_limit_min counts the whole run)
     metrics_lines: int = 0     # metrics.jsonl lines the checkpoint had written (later ones are dropped)
+    ckpt: str = ""             # the checkpoint folder it resumes from (the newest intact one)
 
 
 def code_files():
@@ -372,8 +454,13 @@ def open_run(cfg, pols, master):
     start = Start()
     ckpt = os.path.join(out, "ckpt")
     if cfg["resume"]:
+        ckpt = latest_intact(out, master)  # check_resume found one
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        start = Start(state["step"], state.get("time", 0.0), state["metrics_lines"])
+        start = Start(state["step"], state.get("time", 0.0), state["metrics_lines"], ckpt)
+        if master:  # the damaged newer ones step aside, kept for a look, never resumed or rotated
+            for d in checkpoint_dirs(out)[:checkpoint_dirs(out).index(ckpt)]:
+                shutil.rmtree(d + ".damaged", ignore_errors=True)
+                os.replace(d, d + ".damaged")
         STOP.ckpt_step = start.step
         if master:
             print(f"resuming from step {start.step}: checkpoint {ckpt} ({start.time_before / 60:.1f} min "
@@ -381,7 +468,7 @@ def open_run(cfg, pols, master):
     STOP.out_dir = out
     if master:
         if cfg["overwrite"] and not cfg["resume"]:
-            for d in (ckpt, ckpt + ".tmp", ckpt + ".old"):
+            for d in checkpoint_dirs(out) + [ckpt + ".tmp", ckpt + ".old"]:
                 shutil.rmtree(d, ignore_errors=True)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -414,7 +501,7 @@ def refuse_existing_run(cfg):
     out = cfg["out_dir"]
     metrics = os.path.join(out, "metrics.jsonl")
     has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
-    if os.path.isfile(os.path.join(out, "ckpt", "state.pt")):
+    if checkpoint_dirs(out):
         raise SystemExit(f"--out_dir {out} holds a run with a checkpoint: continue it with --resume true, or "
                          "give another --out_dir (--overwrite true replaces it)")
     if has_metrics:
@@ -432,9 +519,15 @@ def check_resume(cfg):
     value, before anything loads."""
     if not cfg["resume"]:
         return
-    out, ckpt = cfg["out_dir"], os.path.join(cfg["out_dir"], "ckpt")
-    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
-        raise SystemExit(f"--resume: no checkpoint in {ckpt!r} (a run saves one every --ckpt_every steps)")
+    out = cfg["out_dir"]
+    if not os.path.isfile(os.path.join(out, "ckpt", "state.pt")) and not checkpoint_dirs(out):
+        raise SystemExit(f"--resume: no checkpoint in {os.path.join(out, 'ckpt')!r} (a run saves one every "
+                         "--ckpt_every steps)")
+    ckpt = latest_intact(out, master=False)
+    if ckpt is None:
+        why = "; ".join(damage(d) for d in checkpoint_dirs(out))
+        raise SystemExit(f"--resume: no checkpoint in {out} can be resumed from ({why}): start a new run "
+                         "(--overwrite true), or restore a copy of the folder")
     saved = {}
     if os.path.isfile(os.path.join(out, "config.json")):
         saved = json.load(open(os.path.join(out, "config.json")))

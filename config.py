@@ -36,19 +36,12 @@ def configure(argv, flags, presets, choices, source):
     cfg = dict(flags)
     given = C.parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
                           help_text=help_text(source, flags, presets))
-    if not cfg["preset"]:
-        cfg["preset"] = default_preset(cfg["task"], P.is_tiny(cfg), presets)
-    overrides = presets[cfg["preset"]]
-    for k, v in overrides.items():
-        if k not in given:
-            cfg[k] = v
+    apply_preset(cfg, given, presets, P.is_tiny(cfg), flags)
     # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
     # std); asked for by flag, they are checked (check_method)
     for k, v in G.ALGOS[cfg["algo"]].fixed.items():
         if k not in given:
             cfg[k] = v
-    # a per-role flag's value for the roles it does not name: the preset's
-    cfg["role_defaults"] = {k: overrides.get(k, flags[k]) for k in P.PER_ROLE_FLAGS}
     # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
     if cfg["policies"] == "lora":
         cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]
@@ -60,6 +53,19 @@ def configure(argv, flags, presets, choices, source):
     context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
     fit_sampling(cfg, "", context)
     return cfg
+
+
+def apply_preset(cfg, given, presets, tiny, recipe):
+    """The preset (the task's default where none is named) under the flags given, in place; train.py
+    and eval.py alike. `recipe`: train.py's flag values, what a preset does not set."""
+    if not cfg["preset"]:
+        cfg["preset"] = default_preset(cfg["task"], tiny, presets)
+    overrides = presets[cfg["preset"]]
+    for k, v in overrides.items():
+        if k not in given and k in cfg:
+            cfg[k] = v
+    # a per-role flag's value for the roles it does not name: the preset's
+    cfg["role_defaults"] = {k: overrides.get(k, recipe[k]) for k in P.PER_ROLE_FLAGS}
 
 
 def default_preset(task, tiny, presets):
@@ -117,6 +123,7 @@ BOUNDS = [
     ("eval_every", lambda v: v >= 0, "0 (never) or a number of steps"),
     ("eval_n", lambda v: v >= 1, "at least 1 held-out instance"),
     ("ckpt_every", lambda v: v >= 0, "0 (never) or a number of steps"),
+    ("keep_ckpts", lambda v: v >= 1, "at least 1 checkpoint kept (2: the newest and the one before)"),
     ("time_limit_min", lambda v: v >= 0, "0 (no limit) or minutes"),
     ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
@@ -172,9 +179,8 @@ def check_cache(cfg):
     """The tiny bases' folder (tiny.cache_dir) is a folder this user can write, or can be made in one."""
     if not P.is_tiny(cfg):
         return
-    path = where = tiny.cache_dir()
-    while not os.path.exists(where):
-        where = os.path.dirname(where) or "."
+    path = tiny.cache_dir()
+    where = existing_parent(os.path.abspath(path))
     if not os.path.isdir(where) or not os.access(where, os.W_OK | os.X_OK):
         kind = "not a folder" if not os.path.isdir(where) else "not writable"
         raise SystemExit(f"the tiny bases' folder {path} cannot be made or written ({where} is {kind}): "
@@ -325,21 +331,3 @@ def existing_parent(path):
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return path
-
-
-def search_settings(cfg):
-    """--task search: passages per search, the retriever (None: each question's own passages: the
-    generated worlds, HotpotQA's context), the answer's metric. A retrieval server is asked once
-    here."""
-    if cfg["task"] != "search":
-        return None
-    retriever = None
-    if cfg["retriever"].startswith("bm25:"):
-        try:
-            retriever = retrieval.BM25(retrieval.load_corpus(cfg["retriever"][5:]))
-        except ValueError as e:  # names the file and the line
-            raise SystemExit(f"--retriever {cfg['retriever']}: {e}")
-    elif cfg["retriever"]:
-        retriever = retrieval.HttpRetriever(cfg["retriever"])
-        retriever.check()
-    return dict(topk=cfg["search_topk"], retriever=retriever, metric=cfg["search_metric"])

@@ -26,6 +26,7 @@ import common as C
 import config
 import envs as E
 import policies as P
+import retrieval
 import train as T
 from rollout import Agents, evaluate
 
@@ -60,8 +61,8 @@ def configure(argv):
     given = C.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
                           help_text=help_text())
     if not cfg["task"]:
-        raise SystemExit("--task is required (plan, sokoban, sudoku, code, math); tables and plots of "
-                         "training runs: tools/runs.py")
+        raise SystemExit(f"--task is required ({', '.join(E.TASKS)}); tables and plots of training runs: "
+                         "tools/runs.py")
     try:
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
@@ -75,13 +76,7 @@ def configure(argv):
                              "schema of data/README.md)")
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
-    if not cfg["preset"]:
-        cfg["preset"] = config.default_preset(cfg["task"], tiny, T.PRESETS)
-    overrides = T.PRESETS[cfg["preset"]]
-    for k, v in overrides.items():
-        if k not in given and k in cfg:
-            cfg[k] = v
-    cfg["role_defaults"] = {k: overrides.get(k, T.FLAGS[k]) for k in P.PER_ROLE_FLAGS}
+    config.apply_preset(cfg, given, T.PRESETS, tiny, T.FLAGS)
     longest = max(P.flag_values(cfg, "eval_max_new_tokens"))
     if "max_model_len" not in given:  # room for a whole prompt and a whole answer
         cfg["max_model_len"] = max(cfg["max_model_len"], cfg["max_prompt_tokens"] + longest)
@@ -154,7 +149,7 @@ def main(argv):
     files = [f for f in cfg["files"].split(",") if f] or None
     if cfg["search_test"]:
         files = [cfg["search_test"]]
-    search = config.search_settings(cfg)
+    search = retrieval.settings(cfg)
     test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow, files=files,
                            limit=cfg["limit"] or None, team=P.parse_team(cfg), turns=cfg["eval_turns"],
                            search=search)

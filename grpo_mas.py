@@ -20,8 +20,8 @@ adds a second level of groups, the calls made from one state, in a function of i
     --std_floor f: a std below f counts as f, so tiny reward differences are not blown up to +-1
     gigpo: none (verl-agent's mean_norm) or group (mean_std_norm, the unbiased std); no batch
 
-Then DAPO's dynamic sampling (which groups train), the batch from samples to rows (micro-batches
-and tensors: batching.py), and the loss.
+Then DAPO's dynamic sampling (which groups train) and the loss; the batch from samples to rows,
+micro-batches and tensors is batching.py.
 """
 import math
 from collections import defaultdict
@@ -171,31 +171,38 @@ GIGPO_EPISODES = ("call", "trajectory", "agent")
 
 def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-6, penalty=0.0,
                      episode="agent"):
-    """GiGPO (Feng et al. 2025) in a multi-agent system as Dr. MAS runs it (its fork of verl,
-    verl/trainer/ppo/core_algos.py; docs/method.md §4), over K plain trajectories per env:
-    A = A_episode + step_weight x A_step, one number per call.
-      A_episode  the trajectory's total reward, normalized within its episode group; `episode` says
-                 which (core_algos.py:281-285, ray_trainer.py:269-274):
-                   "agent"       per (env, agent), a trajectory counted once per call of that agent
-                                 (group_by_agent_id=True, which Dr. MAS's gigpo scripts set)
-                   "trajectory"  per env, each trajectory once (Dr. MAS's default)
-                   "call"        per env, a trajectory counted once per call (verl-agent's
-                                 compute_mean_std_cross_steps; "agent" with one agent)
-      A_step     the env step's discounted return, G_t = r_t + gamma G_(t+1) over the trajectory's
-                 turns, shared by every call of the turn (core_algos.py:156-173; a turn's reward is
-                 the sum of its calls'), normalized within its anchor group: the calls made from one
-                 state of the env (`s.anchor`, the env's own observation: the reference's
-                 `anchor_obs`; the prompt where a sample has none), by any trajectory at any turn;
-                 "agent" groups each agent's calls apart (core_algos.py:340-349 within `index`)
+    """GiGPO (Feng et al. 2025, arXiv 2505.10978) in a multi-agent system as Dr. MAS runs it (its fork
+    of verl, verl/trainer/ppo/core_algos.py; the rules with file:line: docs/method.md §4), over K
+    plain trajectories per env. The paper's A = A^E + w A^S, one number per call, in the reference's
+    steps:
+      1. returns   each call's episode value R(tau) and step return G_t (gigpo_returns)
+      2. groups    episode groups by `episode`, anchor (step) groups within them (gigpo_groups)
+      3. A^E       R(tau) normalized within its episode group (gigpo_normalize)
+      4. A^S       G_t normalized within its anchor group: the calls made from one state
     scale "none" subtracts the group's mean (mean_norm, verl-agent's default); "group" divides by
-    the unbiased std + eps too (mean_std_norm). A group of one member (one call, or one trajectory
-    for "trajectory"): episode mean 0 and std 1 (core_algos.py:288-290); step mean its own value
-    (advantage 0, core_algos.py:430-432). `penalty`: subtracted from both, after discounting, for an
-    ill-formed answer (verl-agent's invalid-action penalty; this project's rewards carry their own)."""
+    the unbiased std + eps too (mean_std_norm). `penalty`: subtracted from both values, after
+    discounting, for an ill-formed answer (verl-agent's invalid-action penalty)."""
     if episode not in GIGPO_EPISODES:
         raise ValueError(f"unknown gigpo episode groups {episode!r}: use call, trajectory or agent")
     if scale not in ("none", "group"):
         raise ValueError(f"gigpo normalizes with scale none or group, not {scale!r}")
+    episode_value, step_return = gigpo_returns(samples, gamma, penalty)
+    by_episode, by_anchor = gigpo_groups(samples, episode)
+    unit = (lambda s: s.traj) if episode == "trajectory" else id  # what one value stands for
+    a_episode, zero_episode = gigpo_normalize(by_episode, episode_value, scale, eps,
+                                              lone_mean_is_own=False, unit=unit)
+    a_step, zero_step = gigpo_normalize(by_anchor, step_return, scale, eps, lone_mean_is_own=True)
+    for s in samples:
+        s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
+    n_groups = len(by_episode) + len(by_anchor)
+    return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
+                               group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
+
+
+def gigpo_returns(samples, gamma, penalty):
+    """Each call's two values, by id: its trajectory's total reward, and its env step's discounted
+    return G_t = r_t + gamma G_(t+1) over the trajectory's turns, r_t the sum of the turn's calls'
+    rewards, shared by every call of the turn (gamma once per env step: core_algos.py:156-173)."""
     trajectories = defaultdict(list)
     for s in samples:
         trajectories[s.env, s.traj].append(s)
@@ -206,48 +213,53 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
         for s in calls:
             turn_reward[s.turn] += s.reward
         turn_return = {}
-        for turn in sorted(turn_reward, reverse=True):  # gamma once per env step, not per call
+        for turn in sorted(turn_reward, reverse=True):
             future = turn_reward[turn] + gamma * future
             turn_return[turn] = future
         for s in calls:
             invalid = penalty * (not s.formatted)
             episode_value[id(s)] = total - invalid
             step_return[id(s)] = turn_return[s.turn] - invalid
+    return episode_value, step_return
 
-    def normalize(groups, values, lone_mean_is_own, unit=id):
-        """Each group's members normalized by its mean and std over its units: one value per unit
-        (`unit(s)`; the first member's value stands for a unit of several, core_algos.py:281)."""
-        out, zero = {}, 0
-        for group in groups.values():
-            units = {}
-            for s in group:
-                units.setdefault(unit(s), values[id(s)])
-            x = list(units.values())
-            if len(x) == 1:
-                mean, std = (x[0] if lone_mean_is_own else 0.0), 1.0
-            else:
-                mean = sum(x) / len(x)
-                std = math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
-            zero += len(x) > 1 and max(x) == min(x)
-            for s in group:
-                v = values[id(s)]
-                out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
-        return out, zero
-    # the episode groups and the step groups within them (index = env, or (env, agent))
-    by_index, by_anchor = defaultdict(list), defaultdict(list)
+
+def gigpo_groups(samples, episode):
+    """(episode groups, anchor groups). Episode groups (core_algos.py:281-285, ray_trainer.py:269-274):
+    per (env, agent) for "agent" (Dr. MAS's group_by_agent_id=True), else per env. Anchor groups lie
+    within them (core_algos.py:340-349): the calls made from one state of the env (`s.anchor`, the
+    env's own observation, the reference's `anchor_obs`; the prompt where a sample has none), by any
+    trajectory at any turn."""
+    by_episode, by_anchor = defaultdict(list), defaultdict(list)
     for s in samples:
         index = (s.env, s.role) if episode == "agent" else (s.env,)
         anchor = s.anchor if s.anchor is not None else tuple(s.prompt_ids)
-        by_index[index].append(s)
+        by_episode[index].append(s)
         by_anchor[index, anchor].append(s)
-    unit = (lambda s: s.traj) if episode == "trajectory" else id
-    a_episode, zero_episode = normalize(by_index, episode_value, lone_mean_is_own=False, unit=unit)
-    a_step, zero_step = normalize(by_anchor, step_return, lone_mean_is_own=True)
-    for s in samples:
-        s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
-    n_groups = len(by_index) + len(by_anchor)
-    return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
-                               group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
+    return by_episode, by_anchor
+
+
+def gigpo_normalize(groups, values, scale, eps, lone_mean_is_own, unit=id):
+    """Each group's members normalized by its mean and unbiased std over its units: one value per
+    unit (`unit(s)`; the first member's value stands for a unit of several, core_algos.py:281). A
+    group of one unit: an episode group has mean 0 and std 1 (core_algos.py:288-290), a step group
+    its own value as mean (advantage 0, core_algos.py:430-432). Returns ({id: advantage}, the groups
+    whose values are all equal)."""
+    out, zero = {}, 0
+    for group in groups.values():
+        units = {}
+        for s in group:
+            units.setdefault(unit(s), values[id(s)])
+        x = list(units.values())
+        if len(x) == 1:
+            mean, std = (x[0] if lone_mean_is_own else 0.0), 1.0
+        else:
+            mean = sum(x) / len(x)
+            std = math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
+        zero += len(x) > 1 and max(x) == min(x)
+        for s in group:
+            v = values[id(s)]
+            out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
+    return out, zero
 
 
 def advantages(samples, scheme, step, all_sum=lambda v: v):
@@ -349,75 +361,6 @@ def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v:
         envs_so_far += n_envs
     kept = [s for group in groups[:target] for s in group]
     return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
-
-
-# -----------------------------------------------------------------------------
-# the training batch: samples -> mini-batches (one optimizer step each) -> rows (then
-# micro-batches and tensors: batching.py)
-
-
-@dataclass
-class Row:
-    """One row of a training micro-batch. Plain: one sample, its prompt then its response. Packed
-    (`--pack`): samples that share a prompt (AT-GRPO's K siblings share it by construction) in one
-    row: the prompt once, then each response in its own segment, which sees the prompt and itself
-    only, with positions that continue from the prompt's end, so every response token has exactly
-    the context it was sampled with and the prompt is trained once, not K times. `sel` are the
-    positions whose next-token distribution scores each target (the prompt's last position for every
-    response's first token); per target: `tgt`, `adv`, `slp` (the sampler's log-prob), `temp` (the
-    temperature it was sampled at)."""
-    ids: list
-    pos: list
-    seg: list  # 0: prompt; k + 1: response k (its last token is a target only, never an input)
-    sel: list
-    tgt: list
-    adv: list
-    slp: list
-    temp: list
-    # pi_old's log-probs of `tgt` (a tensor), for mini-batches after the step's first
-    old: object = None
-
-
-def make_rows(samples, pack):
-    groups = {}
-    for s in samples:
-        if s.response_ids:
-            groups.setdefault(tuple(s.prompt_ids) if pack else id(s), []).append(s)
-    rows = []
-    for g in groups.values():
-        p = len(g[0].prompt_ids)
-        r = Row(ids=list(g[0].prompt_ids), pos=list(range(p)), seg=[0] * p, sel=[], tgt=[], adv=[], slp=[],
-                temp=[])
-        for k, s in enumerate(g):
-            n, start = len(s.response_ids), len(r.ids)
-            r.ids += s.response_ids[:-1]
-            r.pos += range(p, p + n - 1)
-            r.seg += [k + 1] * (n - 1)
-            r.sel += [p - 1] + list(range(start, start + n - 1))
-            r.tgt += s.response_ids
-            r.adv += [s.adv] * n
-            r.slp += s.sampler_logprobs
-            r.temp += [s.temperature] * n
-        rows.append(r)
-    return rows
-
-
-def split_minibatches(samples, n_mini, how):
-    """The samples of each optimizer step. strided: sample i goes to mini-batch i mod n, so a tree
-    group's K siblings spread over the mini-batches and every step sees every env. groups: a group
-    of samples that share a prompt (AT-GRPO's K siblings) stays in one mini-batch, groups dealt
-    round-robin; packing needs this (siblings must meet in a row), and verl does the same in effect:
-    its rollouts repeat each prompt's n responses contiguously (`repeat(interleave=True)`) and its
-    mini-batches are contiguous slices (verl `workers/actor/dp_actor.py`)."""
-    if how == "strided":
-        return [samples[i::n_mini] for i in range(n_mini)]
-    groups = {}
-    for s in samples:
-        groups.setdefault(tuple(s.prompt_ids), []).append(s)
-    chunks = [[] for _ in range(n_mini)]
-    for i, g in enumerate(groups.values()):
-        chunks[i % n_mini] += g
-    return chunks
 
 
 # -----------------------------------------------------------------------------

@@ -314,3 +314,21 @@ def question_row(row, where, n):
         gold = tuple(p.id for p in passages if p.title in titles)
     return {"question": row["question"], "answers": [str(a) for a in answers], "passages": passages,
             "gold": gold}
+
+
+def settings(cfg):
+    """--task search: passages per search, the retriever (None: each question's own passages: the
+    generated worlds, HotpotQA's context), the answer's metric. A retrieval server is asked once
+    here."""
+    if cfg["task"] != "search":
+        return None
+    retriever = None
+    if cfg["retriever"].startswith("bm25:"):
+        try:
+            retriever = BM25(load_corpus(cfg["retriever"][5:]))
+        except ValueError as e:  # names the file and the line
+            raise SystemExit(f"--retriever {cfg['retriever']}: {e}")
+    elif cfg["retriever"]:
+        retriever = HttpRetriever(cfg["retriever"])
+        retriever.check()
+    return dict(topk=cfg["search_topk"], retriever=retriever, metric=cfg["search_metric"])

@@ -2896,7 +2896,7 @@ def test_token_mean_invariant_to_micro_batch_and_rank_split():
                 adv=g.uniform(-2, 2),
             )
         )
-    rows = G.make_rows(samples, pack=False)
+    rows = batching.make_rows(samples, pack=False)
     n_tok = sum(len(r.tgt) for r in rows)
 
     def grads(groups, world):
@@ -2942,10 +2942,10 @@ def test_packed_rows_equal_per_sample_rows(seed):
     m = M.Qwen3(mc)
     m.init_weights(0.05)
     samples = _sibling_groups(seed, vocab=min(250, mc.vocab_size))
-    plain, packed = G.make_rows(samples, False), G.make_rows(samples, True)
+    plain, packed = batching.make_rows(samples, False), batching.make_rows(samples, True)
     for s in samples:
         s.temperature = 0.9  # sampled at 0.9: the trainer scores every target at 0.9
-    plain, packed = G.make_rows(samples, False), G.make_rows(samples, True)
+    plain, packed = batching.make_rows(samples, False), batching.make_rows(samples, True)
     assert len(packed) < len(plain) and sum(len(r.ids) for r in packed) < sum(len(r.ids) for r in plain)
 
     def per_sample_lp(rows):  # concatenated target log-probs in sample order
@@ -2970,7 +2970,7 @@ def test_packed_rows_equal_per_sample_rows(seed):
     # isolation: change one sibling's response; every other sibling's log-probs stay put
     grp = next(r for r in packed if max(r.seg) >= 2 and any(r.seg.count(k) for k in range(1, max(r.seg) + 1)))
     k = next(k for k in range(1, max(grp.seg) + 1) if grp.seg.count(k))  # a sibling with at least 2 tokens
-    changed = G.Row(**{f: list(v) if isinstance(v, list) else v for f, v in vars(grp).items()})
+    changed = batching.Row(**{f: list(v) if isinstance(v, list) else v for f, v in vars(grp).items()})
     for j, sg in enumerate(changed.seg):
         if sg == k:
             changed.ids[j] = (changed.ids[j] + 7) % min(250, mc.vocab_size)
@@ -2992,7 +2992,7 @@ def _packed_flex_vs_dense(device, grad, shape=PARITY_CONFIGS[1]):
     mc = M.Qwen3Config(**{**M.SIZES["tiny"], **shape})
     m = M.Qwen3(mc).to(device)
     m.init_weights(0.05)
-    rows = G.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True)
+    rows = batching.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True)
     out = []
     for flex in (False, True):
         b = batching.collate(rows, torch.device(device), flex=flex)
@@ -3049,7 +3049,7 @@ def test_selective_keeps_packed_flex_cuda(monkeypatch):
     mc = M.Qwen3Config(**{**M.SIZES["tiny"], **PARITY_CONFIGS[1]})
     ref = M.Qwen3(mc).cuda()
     ref.init_weights(0.05)
-    b = batching.collate(G.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True),
+    b = batching.collate(batching.make_rows(_sibling_groups(7, n_groups=4, vocab=min(250, mc.vocab_size)), True),
                          torch.device("cuda"), flex=True)
     seen = _record_selective_policy(monkeypatch)
     grads = {}
@@ -3078,7 +3078,8 @@ def test_memory_planner_selective_packed_flex_cuda():
     for size in ("1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
         c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
-        b = batching.collate(G.make_rows(_one_packed_row(1000, c1.vocab_size), True), torch.device("cuda"), flex=True)
+        rows = batching.make_rows(_one_packed_row(1000, c1.vocab_size), True)
+        b = batching.collate(rows, torch.device("cuda"), flex=True)
         batch = (b.ids, b.pos, b.attn)
         per_layer = (_kept_bytes(c2, "selective", device="cuda", batch=batch)
                      - _kept_bytes(c1, "selective", device="cuda", batch=batch)) / b.ids.numel()
@@ -3120,7 +3121,7 @@ def test_packed_row_lengths_bucket_to_few_shapes():
             for _ in range(4):
                 n = rng.randint(128, 2048)
                 samples.append(Sample(0, g, "plan", 0, 0, prompt, [2] * n, [0.0] * n, 0.0, adv=1.0))
-        return G.make_rows(samples, True)
+        return batching.make_rows(samples, True)
     for n_groups in (50, 400):
         rows = rows_of(n_groups)
         mbs = batching.micro_batches(rows, budget, bucket=True)
@@ -3150,7 +3151,7 @@ def test_packed_flex_at_bucketed_length_equals_unpacked():
     m = M.Qwen3(mc)
     m.init_weights(0.05)
     samples = _one_packed_row(1296, mc.vocab_size)
-    packed, plain = G.make_rows(samples, True), G.make_rows(samples, False)
+    packed, plain = batching.make_rows(samples, True), batching.make_rows(samples, False)
     assert len(packed) == 1 and len(packed[0].ids) == 1296
     cpu = torch.device("cpu")
     b = batching.collate(packed, cpu, flex=True)
@@ -3176,7 +3177,8 @@ def test_packed_flex_compiles_once_per_bucket_cuda():
     m.init_weights(0.05)
 
     def step(length):
-        b = batching.collate(G.make_rows(_one_packed_row(length, mc.vocab_size), True), torch.device("cuda"), flex=True)
+        rows = batching.make_rows(_one_packed_row(length, mc.vocab_size), True)
+        b = batching.collate(rows, torch.device("cuda"), flex=True)
         (T.row_logprobs(m, b) * b.w).sum().backward()
         return tuple(b.ids.shape)
     counters.clear()
@@ -3193,7 +3195,7 @@ def test_minibatch_splits():
     import train as T
     smp = _sibling_groups(4, n_groups=5)
     for how in ("strided", "groups"):
-        chunks = G.split_minibatches(smp, 3, how)
+        chunks = batching.split_minibatches(smp, 3, how)
         assert sorted(id(x) for c in chunks for x in c) == sorted(id(x) for x in smp)
         if how == "strided":
             assert [[id(x) for x in c] for c in chunks] == [[id(x) for x in smp[i::3]] for i in range(3)]
@@ -3265,8 +3267,8 @@ def test_update_against_transformers_ppo_with_pi_old_forwarded_once(tiny_dir, pa
     monkeypatch.setattr(T, "row_logprobs", counting)
     m = M.load_model(tiny_dir, dtype=torch.float64)
     T.update_policy(m, torch.optim.SGD(m.parameters(), lr=0.5), samples, cfg, 1, torch.device("cpu"))
-    chunks = G.split_minibatches(samples, 3, "groups")
-    first = len(batching.micro_batches(G.make_rows(chunks[0], pack), 60, lambda x: x))
+    chunks = batching.split_minibatches(samples, 3, "groups")
+    first = len(batching.micro_batches(batching.make_rows(chunks[0], pack), 60, lambda x: x))
     assert forwards.count(True) == forwards.count(False) + first  # no pi_old forward for mini-batch 1
 
     hf = hf_model(tiny_dir, torch.float64)
@@ -3362,7 +3364,7 @@ def test_roles_of_one_policy_sample_and_train_at_their_own_temperatures(tiny_dir
     m = M.load_model(tiny_dir)
 
     def gap(samples):
-        rows = G.make_rows(samples, pack=False)
+        rows = batching.make_rows(samples, pack=False)
         with torch.no_grad():
             lp = T.row_logprobs(m, batching.collate(rows, torch.device("cpu")))
         return max((lp[j, :len(r.tgt)] - torch.tensor(r.slp)).abs().max().item() for j, r in enumerate(rows))
@@ -4811,8 +4813,8 @@ def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monke
             if fault == "nan loss" and calls[0] == first + 1:
                 loss = loss * float("nan")
             return loss, st
-        chunk = G.split_minibatches(samples, 3, cfg["split"])[0]
-        first = len(batching.micro_batches(G.make_rows(chunk, cfg["pack"]), 60, lambda x: x))
+        chunk = batching.split_minibatches(samples, 3, cfg["split"])[0]
+        first = len(batching.micro_batches(batching.make_rows(chunk, cfg["pack"]), 60, lambda x: x))
         monkeypatch.setattr(T, "ppo_loss", loss_with_a_fault)
         if fault == "inf gradient":
             hits = [0]
@@ -5476,6 +5478,59 @@ def test_lr_clock_fits_the_schedule_to_the_time_limit(tmp_path, monkeypatch):
         assert [r["lr_steps"] for r in rec] == [100] * 10 + [20] * 2  # 0.5 x 120 s at 3 s a step
         assert [r["lr_factor"] for r in rec] == pytest.approx([T.lr_factor({**T.configure(args), "lr_steps": n}, i)
                                                                for i, n in enumerate([100] * 10 + [20] * 2)])
+
+
+def test_a_damaged_or_unwritable_checkpoint_is_never_the_only_one(tmp_path, monkeypatch, capsys):
+    """As torchtitan keeps its last k checkpoints: ckpt and ckpt-1 stay (--keep_ckpts 2). A resume takes the newest
+    that loads whole (state.pt, every safetensors file and DCP shard as long as its header says), names the one it
+    skips and sets it aside; none intact is one line (a cut state.pt was torch's PytorchStreamReader traceback, and
+    the checkpoint before it was gone). A full disk while saving stops in one line (it was a 40-line SafetensorError
+    traceback), the half-written ckpt.tmp gone, the checkpoints before it intact."""
+    import errno
+    import train as T
+    args = SMOKE[:-6] + ["--engine", "scripted", "--max_new_tokens", "64", "--warmup_steps", "0", "--steps", "3",
+                         "--ckpt_every", "1"]
+    a = tmp_path / "a"
+    T.main(args + ["--out_dir", str(a)])
+
+    def step_of(folder):
+        return torch.load(os.path.join(folder, "state.pt"), weights_only=False)["step"]
+    assert [step_of(d) for d in C.checkpoint_dirs(str(a))] == [3, 2] and not (a / "ckpt-2").exists()
+    state = a / "ckpt" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a copy cut short
+    assert "does not load" in C.damage(str(a / "ckpt"))
+    capsys.readouterr()
+    T.main(args + ["--out_dir", str(a), "--steps", "4", "--resume", "true"])
+    out = capsys.readouterr().out
+    assert "checkpoint " + str(a / "ckpt") + " is damaged" in out and "resuming from step 2" in out
+    assert [json.loads(line)["step"] for line in open(a / "metrics.jsonl") if '"success"' in line] == [1, 2, 3, 4]
+    assert [step_of(d) for d in C.checkpoint_dirs(str(a))] == [4, 3] and (a / "ckpt.damaged").exists()
+    # every file of a checkpoint counts: a safetensors export and a DCP shard cut short
+    export = next((a / "ckpt").rglob("*.safetensors"))
+    export.write_bytes(export.read_bytes()[:-100])
+    shard = next((a / "ckpt-1").rglob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert "shorter than its header says" in C.damage(str(a / "ckpt"))
+    assert "shorter than its metadata says" in C.damage(str(a / "ckpt-1"))
+    with pytest.raises(SystemExit, match=r"--resume: no checkpoint in .* can be resumed from \(.*\): start a new run"):
+        T.main(args + ["--out_dir", str(a), "--steps", "6", "--resume", "true"])
+    # a full disk at the second checkpoint: one line, the first checkpoint whole, no ckpt.tmp left
+    real, calls = C.M.save_model, [0]
+
+    def save_model(*a_, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a_, **k)
+    monkeypatch.setattr(C.M, "save_model", save_model)
+    b = tmp_path / "b"
+    with pytest.raises(SystemExit, match=r"^no space left on the device of .* while writing the checkpoint of "
+                                         r"step 2; the checkpoints before it are intact: free space, then resume"):
+        T.main(args + ["--out_dir", str(b)])
+    assert [step_of(d) for d in C.checkpoint_dirs(str(b))] == [1] and C.damage(str(b / "ckpt")) == ""
+    assert not (b / "ckpt.tmp").exists()
+    with pytest.raises(SystemExit, match="--keep_ckpts 0: use at least 1"):
+        T.configure(["--keep_ckpts", "0"])
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])

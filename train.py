@@ -45,10 +45,11 @@ import grpo_mas as G
 import memory
 import policies as P
 import sandbox
+import retrieval
 import steplog
 import tiny
-from batching import DUMMY, collate, micro_batches
-from grpo_mas import make_rows, ppo_loss, split_minibatches
+from batching import DUMMY, collate, make_rows, micro_batches, split_minibatches
+from grpo_mas import ppo_loss
 from model import CHECKPOINT_MODES
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
@@ -127,7 +128,7 @@ grad_clip = 1.0            # clip each optimizer step's gradient to this global 
 mini_batch_rows = 32       # samples per optimizer step, all ranks (verl's); 0: --minibatches
 minibatches = 2            # with --mini_batch_rows 0: optimizer steps per batch
 micro_batch_tokens = 16384  # padded tokens per micro-batch; per role: tool=8192,plan=16384
-pack = False               # true: tree siblings train as one row, their prompt once (grpo_mas.Row)
+pack = False               # true: tree siblings train as one row, their prompt once (batching.Row)
 split = "strided"          # mini-batches: strided (sample i -> i mod N) or groups (whole
                            # sibling groups, verl's way); --pack true sets groups
 # evaluation
@@ -142,12 +143,13 @@ eval_thinking = False      # eval.py: Qwen3's thinking switch
 # run and checkpoints
 seed = 0                   # seeds the tiny base, the envs, sampling and the adapters
 out_dir = "runs/default"   # metrics.jsonl, config.json, a copy of the code, ckpt/
-resume = False             # continue from out_dir/ckpt
+resume = False             # continue from out_dir's newest intact checkpoint
 overwrite = False          # replace the run in out_dir (else a folder with one is refused)
 stop_step = 0              # stop after this step; 0 = at --steps. The lr schedule does not
                            # change: a run stopped at N is the first N steps of one
 time_limit_min = 0.0       # stop (final eval + checkpoint) after N minutes; 0 = no limit
 ckpt_every = 20            # checkpoint every N steps and at the end (0 = never)
+keep_ckpts = 2             # checkpoints kept (ckpt, ckpt-1, ...): a damaged one is never the only one
 wandb = ""                 # PROJECT: also log to Weights & Biases (pip install wandb)
 # GPU
 compile = False            # torch.compile each decoder layer (in place, HF names kept)
@@ -360,7 +362,7 @@ class Tasks:
     rows: list      # code, math, --search_train: the training rows; [] = generated
     team: tuple     # --team: (reasoners, tools, mode); None = the task's own agents
     turns: int
-    search: dict    # --task search: topk, retriever, metric (config.search_settings)
+    search: dict    # --task search: topk, retriever, metric (retrieval.settings)
 
     def fresh(self, rng, n):
         return [E.train_env(self.task, rng, self.workflow, self.compact, self.rows or None,
@@ -378,7 +380,7 @@ def load_tasks(cfg):
             raise SystemExit(f"task {cfg['task']!r} has no training rows: list its files in envs.TASKS")
     compact = P.is_tiny(cfg) and spec["answer_tokens"] > 0  # the tiny model plays the compact form
     tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, P.parse_team(cfg), cfg["turns"],
-                  config.search_settings(cfg))
+                  retrieval.settings(cfg))
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=tasks.compact,
                            workflow=cfg["workflow"], files=test_files, limit=cfg["eval_n"],
@@ -498,8 +500,8 @@ def main(argv):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer
     torch.manual_seed(cfg["seed"])
-    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
-    models, opts, refs, engines = P.build(cfg, pols, bases, ckpt_dir, rank, C.DEVICE)
+    # a resume loads the newest intact checkpoint (start.ckpt; "" for a fresh run)
+    models, opts, refs, engines = P.build(cfg, pols, bases, start.ckpt, rank, C.DEVICE)
     if master:
         for p, pol in enumerate(pols):
             print(P.describe(cfg, p, pol, opts[p]), flush=True)
@@ -618,8 +620,17 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
     for engine in P.distinct_engines(engines):
         engine.sleep(level=1)
     export_dtype = None if P.is_tiny(cfg) else torch.bfloat16
-    C.save_checkpoint(cfg["out_dir"], step, models, opts, pols, tokenizer, rank,
-                      os.path.join(cfg["out_dir"], "metrics.jsonl"), export_dtype, elapsed)
+    try:
+        C.save_checkpoint(cfg["out_dir"], step, models, opts, pols, tokenizer, rank,
+                          os.path.join(cfg["out_dir"], "metrics.jsonl"), export_dtype, elapsed,
+                          keep=cfg["keep_ckpts"])
+    except Exception as e:  # torch, safetensors and the OS each say it their own way
+        if not C.disk_full(e):
+            raise
+        C.drop_partial_checkpoint(cfg["out_dir"], rank)
+        raise SystemExit(f"no space left on the device of {cfg['out_dir']} while writing the "
+                         f"checkpoint of step {step}; the checkpoints before it are intact: free "
+                         f"space, then {C.resume_hint()}")
 
 
 if __name__ == "__main__":

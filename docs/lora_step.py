@@ -30,7 +30,8 @@ import envs as E  # noqa: E402
 import policies as P  # noqa: E402
 import tiny  # noqa: E402
 import train as T  # noqa: E402
-from grpo_mas import collate, compute_advantages, make_rows  # noqa: E402
+from batching import collate, make_rows  # noqa: E402
+from grpo_mas import compute_advantages  # noqa: E402
 from rollout import Agents, Sampling, tree_rollout  # noqa: E402
 
 CONFIGS = [  # label: train.py flags
