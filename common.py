@@ -1,6 +1,6 @@
 """
-What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): the flag parser, torchrun and the
-collectives, checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
+What keeps a run alive, shared by train.py and eval.py (nanochat's common.py): torchrun and the collectives,
+checkpoints (HF exports + sharded DCP state), the run's folder and its clock. Nothing here is AT-GRPO.
 """
 import contextlib
 import errno
@@ -19,125 +19,6 @@ import torch
 import torch.distributed as dist
 
 import model as M
-
-# -----------------------------------------------------------------------------
-# flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
-
-
-def usage(source, defaults, presets=None):
-    """Every flag of the `# config:` block of `source` (a script's path), under the block's headings
-    (its comment lines at the margin): its default, its comment, and the presets that give it another
-    value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
-    block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
-    lines = []  # headings, and [name, default, comment] with the comment's continuation lines
-    for line in block.splitlines()[1:]:
-        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
-        if m:  # a flag of this script, or None: a name it does not take (its comment is skipped too)
-            lines.append(list(m.groups("")) if m.group(1) in defaults else None)
-        elif line.startswith("# "):
-            lines.append(line[2:])
-        elif line.startswith(" ") and line.strip().startswith("#") and lines and isinstance(lines[-1], list):
-            lines[-1][2] += " " + line.strip()[2:]  # a comment's continuation
-    out = []
-    for item in filter(None, lines):
-        if isinstance(item, str):
-            out.append(f"\n{item}:")
-        else:
-            name, default, comment = item
-            out.append(f"  --{name:<24} {default:<10} {comment}{preset_note(name, defaults[name], presets or {})}")
-    # a heading none of whose flags this script takes (eval.py shows train.py's block) is dropped
-    shown = [line for i, line in enumerate(out) if not line.startswith("\n") or
-             (i + 1 < len(out) and not out[i + 1].startswith("\n"))]
-    return "\n".join(shown).lstrip("\n")
-
-
-def preset_note(name, default, presets):
-    """The presets that give flag `name` another value, grouped by value; a family of presets that all
-    agree (tiny, tiny-sokoban, tiny-sudoku) shows as one name with a star: " [tiny* 16]"."""
-    by_value = {}
-    for p, overrides in presets.items():
-        if name in overrides and overrides[name] != default:
-            by_value.setdefault(repr(overrides[name]), []).append(p)
-    parts = []
-    for value, names in by_value.items():
-        for family in {p.split("-")[0] for p in presets}:
-            members = [p for p in presets if p.split("-")[0] == family]
-            if len(members) > 1 and all(m in names for m in members):
-                names = [family + "*"] + [n for n in names if n not in members]
-        parts.append(f"{', '.join(names)} {value}")
-    return f" [{'; '.join(parts)}]" if parts else ""
-
-
-def parse_flags(argv, cfg, choices, per_role=None, repeatable=(), help_text=""):
-    """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role`
-    ({flag: its type}) flags may also take ROLE=VALUE,..., read into {role: value} (the roles are checked against the
-    task's later); `repeatable` ones join their values."""
-    per_role = per_role or {}
-    if "--help" in argv or "-h" in argv:
-        print(help_text)
-        raise SystemExit(0)
-    given, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise SystemExit(f"unexpected argument {arg!r}: flags look like --task plan (see --help)")
-        name, val = (arg[2:].split("=", 1) + [None])[:2]
-        if val is None:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"flag --{name} needs a value")
-            val, i = argv[i + 1], i + 1
-        if name not in cfg:
-            raise SystemExit(f"unknown flag --{name}; known: {', '.join('--' + k for k in cfg)}")
-        t = type(cfg[name])
-        if name in repeatable:  # --policy tool=A --policy plan=B
-            cfg[name] = ",".join(x for x in (cfg[name] if name in given else "", val) if x)
-        elif name in per_role and "=" in val:
-            cfg[name] = per_role_values(name, val, per_role[name])
-        elif t is bool:
-            if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise SystemExit(f"--{name} takes true or false, not {val!r}")
-            cfg[name] = val.lower() in ("1", "true", "yes")
-        else:
-            try:
-                cfg[name] = t(val)
-            except ValueError:
-                raise SystemExit(f"--{name} takes a {t.__name__}, not {val!r}")
-        if name in choices and cfg[name] not in choices[name]:
-            named = ", ".join(c or '"" (the default)' for c in choices[name])  # "" was listed as nothing
-            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {named}")
-        given.append(name)
-        i += 1
-    return given
-
-
-def per_role_values(name, text, cast):
-    """--lr tool=1e-6,plan=2e-6 -> {"tool": 1e-6, "plan": 2e-6}."""
-    values = {}
-    for item in text.split(","):
-        role, eq, x = item.partition("=")
-        if not eq or not role:
-            raise SystemExit(f"--{name} {text}: write one value, or ROLE=VALUE,...")
-        try:
-            values[role] = cast(x)
-        except ValueError:
-            raise SystemExit(f"--{name} {text}: {x!r} is not a {cast.__name__}")
-    return values
-
-
-def fit_context(max_len, prompt, new, context):
-    """(max_model_len, prompt budget, response budget) that fit the model's context: max_model_len never above it
-    (vLLM refuses the engine otherwise), and prompt + response within max_model_len, the prompt giving way first,
-    down to half. Each change printed in one line. train.py and eval.py both size their engines with it."""
-    if max_len > context:
-        print(f"note: --max_model_len {max_len} is above the model's context ({context} tokens): using {context}")
-        max_len = context
-    if prompt + new > max_len:
-        fit = max(max_len // 2, max_len - new)
-        print(f"note: {prompt} prompt + {new} response tokens (--max_new_tokens) exceed --max_model_len {max_len}: "
-              f"using {fit} + {max_len - fit}")
-        prompt, new = fit, max_len - fit
-    return max_len, prompt, new
-
 
 # -----------------------------------------------------------------------------
 # torchrun and collectives (every collective is called by every rank in the same order)

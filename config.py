@@ -8,11 +8,12 @@ anything loads. train.py and eval.py both resolve their flags here.
 What a resolved cfg holds beyond the flags: `preset` (the one chosen), `role_defaults` (a per-role
 flag's value for the roles it does not name), `role_sampling` / `role_eval_sampling` ({role:
 Sampling}). A per-role flag given as ROLE=VALUE,... is a {role: value} dict from the moment it is
-read (common.parse_flags); the roles it names are checked once the task is known.
+read (parse_flags); the roles it names are checked once the task is known.
 """
 import importlib.util
 import math
 import os
+import re
 from dataclasses import replace
 
 import torch
@@ -34,7 +35,7 @@ def configure(argv, flags, presets, choices, source):
     the recipe (train.py's globals), `presets`: train.PRESETS, `source`: the script whose config
     block --help prints."""
     cfg = dict(flags)
-    given = C.parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
+    given = parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
                           help_text=help_text(source, flags, presets))
     apply_preset(cfg, given, presets, P.is_tiny(cfg), flags)
     # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
@@ -77,11 +78,11 @@ def default_preset(task, tiny, presets):
 
 def fit_sampling(cfg, prefix, context):
     """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
-    response budget and the engine's context fitted to the model's context (common.fit_context);
+    response budget and the engine's context fitted to the model's context (fit_context);
     the flag max_new_tokens becomes the largest role's budget (the memory plan's)."""
     sampling = P.role_sampling(cfg, prefix)
     longest = max(s.max_new_tokens for s in sampling.values())
-    cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = C.fit_context(
+    cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = fit_context(
         cfg["max_model_len"], cfg["max_prompt_tokens"], longest, context)
     cfg[prefix + "max_new_tokens"] = fitted
     key = "role_eval_sampling" if prefix else "role_sampling"
@@ -98,10 +99,129 @@ def config_line(cfg, presets):
 
 def help_text(source, flags, presets):
     return ("usage: python train.py [--flag value | --flag=value ...]\n\n"
-            + C.usage(source, flags, presets)
+            + usage(source, flags, presets)
             + f"\n\nA value in [...] is a preset's own (presets: {', '.join(presets)}); the default is"
             " the task's tiny-* without --model (tiny for code, math), paper-* with it (paper for the"
             " games). Per-role flags take ROLE=VALUE,...")
+
+
+# -----------------------------------------------------------------------------
+# flags: `--name value` or `--name=value` for every name of a config dict; types follow the default
+
+
+def usage(source, defaults, presets=None):
+    """Every flag of the `# config:` block of `source` (a script's path), under the block's headings
+    (its comment lines at the margin): its default, its comment, and the presets that give it another
+    value, e.g. `--turns  3  T, max turns per episode [tiny 4]`."""
+    block = open(source).read().split("# config:", 1)[1].split("\n# ---", 1)[0]
+    lines = []  # headings, and [name, default, comment] with the comment's continuation lines
+    for line in block.splitlines()[1:]:
+        m = re.match(r"^(\w+) = (.*?)\s*(?:# (.*))?$", line)
+        if m:  # a flag of this script, or None: a name it does not take (its comment is skipped too)
+            lines.append(list(m.groups("")) if m.group(1) in defaults else None)
+        elif line.startswith("# "):
+            lines.append(line[2:])
+        elif line.startswith(" ") and line.strip().startswith("#") and lines and isinstance(lines[-1], list):
+            lines[-1][2] += " " + line.strip()[2:]  # a comment's continuation
+    out = []
+    for item in filter(None, lines):
+        if isinstance(item, str):
+            out.append(f"\n{item}:")
+        else:
+            name, default, comment = item
+            out.append(f"  --{name:<24} {default:<10} {comment}{preset_note(name, defaults[name], presets or {})}")
+    # a heading none of whose flags this script takes (eval.py shows train.py's block) is dropped
+    shown = [line for i, line in enumerate(out) if not line.startswith("\n") or
+             (i + 1 < len(out) and not out[i + 1].startswith("\n"))]
+    return "\n".join(shown).lstrip("\n")
+
+
+def preset_note(name, default, presets):
+    """The presets that give flag `name` another value, grouped by value; a family of presets that all
+    agree (tiny, tiny-sokoban, tiny-sudoku) shows as one name with a star: " [tiny* 16]"."""
+    by_value = {}
+    for p, overrides in presets.items():
+        if name in overrides and overrides[name] != default:
+            by_value.setdefault(repr(overrides[name]), []).append(p)
+    parts = []
+    for value, names in by_value.items():
+        for family in {p.split("-")[0] for p in presets}:
+            members = [p for p in presets if p.split("-")[0] == family]
+            if len(members) > 1 and all(m in names for m in members):
+                names = [family + "*"] + [n for n in names if n not in members]
+        parts.append(f"{', '.join(names)} {value}")
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
+def parse_flags(argv, cfg, choices, per_role=None, repeatable=(), help_text=""):
+    """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role`
+    ({flag: its type}) flags may also take ROLE=VALUE,..., read into {role: value} (the roles are checked against the
+    task's later); `repeatable` ones join their values."""
+    per_role = per_role or {}
+    if "--help" in argv or "-h" in argv:
+        print(help_text)
+        raise SystemExit(0)
+    given, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"unexpected argument {arg!r}: flags look like --task plan (see --help)")
+        name, val = (arg[2:].split("=", 1) + [None])[:2]
+        if val is None:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"flag --{name} needs a value")
+            val, i = argv[i + 1], i + 1
+        if name not in cfg:
+            raise SystemExit(f"unknown flag --{name}; known: {', '.join('--' + k for k in cfg)}")
+        t = type(cfg[name])
+        if name in repeatable:  # --policy tool=A --policy plan=B
+            cfg[name] = ",".join(x for x in (cfg[name] if name in given else "", val) if x)
+        elif name in per_role and "=" in val:
+            cfg[name] = per_role_values(name, val, per_role[name])
+        elif t is bool:
+            if val.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise SystemExit(f"--{name} takes true or false, not {val!r}")
+            cfg[name] = val.lower() in ("1", "true", "yes")
+        else:
+            try:
+                cfg[name] = t(val)
+            except ValueError:
+                raise SystemExit(f"--{name} takes a {t.__name__}, not {val!r}")
+        if name in choices and cfg[name] not in choices[name]:
+            named = ", ".join(c or '"" (the default)' for c in choices[name])  # "" was listed as nothing
+            raise SystemExit(f"--{name} {cfg[name]!r} is not one of {named}")
+        given.append(name)
+        i += 1
+    return given
+
+
+def per_role_values(name, text, cast):
+    """--lr tool=1e-6,plan=2e-6 -> {"tool": 1e-6, "plan": 2e-6}."""
+    values = {}
+    for item in text.split(","):
+        role, eq, x = item.partition("=")
+        if not eq or not role:
+            raise SystemExit(f"--{name} {text}: write one value, or ROLE=VALUE,...")
+        try:
+            values[role] = cast(x)
+        except ValueError:
+            raise SystemExit(f"--{name} {text}: {x!r} is not a {cast.__name__}")
+    return values
+
+
+def fit_context(max_len, prompt, new, context):
+    """(max_model_len, prompt budget, response budget) that fit the model's context: max_model_len never above it
+    (vLLM refuses the engine otherwise), and prompt + response within max_model_len, the prompt giving way first,
+    down to half. Each change printed in one line. train.py and eval.py both size their engines with it."""
+    if max_len > context:
+        print(f"note: --max_model_len {max_len} is above the model's context ({context} tokens): using {context}")
+        max_len = context
+    if prompt + new > max_len:
+        fit = max(max_len // 2, max_len - new)
+        print(f"note: {prompt} prompt + {new} response tokens (--max_new_tokens) exceed --max_model_len {max_len}: "
+              f"using {fit} + {max_len - fit}")
+        prompt, new = fit, max_len - fit
+    return max_len, prompt, new
 
 
 # -----------------------------------------------------------------------------
@@ -119,6 +239,12 @@ BOUNDS = [
                                      "logits by it (greedy decoding is for evaluation)"),
     ("max_new_tokens", lambda v: v >= 1, "at least 1 response token"),
     ("max_prompt_tokens", lambda v: v >= 1, "at least 1 prompt token"),
+    ("max_model_len", lambda v: v >= 2, "at least 2 tokens (a prompt's and a response's)"),
+    ("eval_k", lambda v: v >= 1, "at least 1 sample per held-out instance"),
+    ("eval_turns", lambda v: v >= 1, "at least 1 turn per held-out episode"),
+    ("eval_max_new_tokens", lambda v: v >= 1, "at least 1 response token"),
+    ("eval_temperature", lambda v: v >= 0, "0 (greedy) or above"),
+    ("eval_top_p", lambda v: 0 < v <= 1, "a nucleus in (0, 1]"),
     ("mini_batch_rows", lambda v: v >= 0, "0 (use --minibatches) or the samples per optimizer step"),
     ("eval_every", lambda v: v >= 0, "0 (never) or a number of steps"),
     ("eval_n", lambda v: v >= 1, "at least 1 held-out instance"),
@@ -150,9 +276,11 @@ BOUNDS = [
                                                       "(DAPO's max_num_gen_batches)"),
     ("alternate_every", lambda v: v >= 0, "0 (every trained role every step) or a number of steps"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
-    ("tool_timeout", lambda v: v > 0, "above 0 seconds"),
-    ("test_timeout", lambda v: v > 0, "above 0 seconds"),
-    ("nccl_timeout_min", lambda v: v > 0, "above 0 minutes"),
+    ("tool_timeout", lambda v: 0 < v <= 3600, "above 0 seconds, at most an hour"),
+    ("test_timeout", lambda v: 0 < v <= 3600, "above 0 seconds, at most an hour"),
+    ("gigpo_gamma", lambda v: 0 <= v <= 1, "a discount in [0, 1]"),
+    ("gigpo_step_weight", lambda v: v >= 0, "at least 0 (the weight of A_step)"),
+    ("nccl_timeout_min", lambda v: 0 < v <= 10080, "above 0 minutes, at most a week (10080)"),
     ("world", lambda v: v >= 0, "0 (this launch's) or a number of ranks"),
     ("gpu_gb", lambda v: v >= 0, "0 (the GPU's own) or GiB"),
 ]

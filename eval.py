@@ -22,7 +22,6 @@ import os
 import sys
 
 import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
-import common as C
 import config
 import envs as E
 import policies as P
@@ -48,7 +47,7 @@ FLAGS = {**{k: T.FLAGS[k] for k in TRAIN_FLAGS}, **OWN}
 def help_text():
     train_flags = {k: T.FLAGS[k] for k in TRAIN_FLAGS}
     return ("usage: python eval.py --task T --model M [--flag value ...]\n\n"
-            + C.usage(T.__file__, train_flags, T.PRESETS) + "\n" + C.usage(__file__, OWN)
+            + config.usage(T.__file__, train_flags, T.PRESETS) + "\n" + config.usage(__file__, OWN)
             + "\n\nA value in [...] is a preset's own: tiny* for a tiny model, else paper*.")
 
 
@@ -58,7 +57,7 @@ def configure(argv):
     cfg = dict(FLAGS)
     choices = {k: v for k, v in T.CHOICES.items() if k in cfg}
     per_role = {k: cast for k, cast in P.CASTS_OF_FLAG.items() if k in cfg}
-    given = C.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
+    given = config.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
                           help_text=help_text())
     if not cfg["task"]:
         raise SystemExit(f"--task is required ({', '.join(E.TASKS)}); tables and plots of training runs: "
@@ -112,10 +111,14 @@ def role_models(cfg, roles):
     for role, path in paths.items():
         if not path:
             raise SystemExit(f"no model for role {role!r}: pass --model PATH or --policy {role}=PATH")
+        # a train.py run folder (its config.json is the run's, not a model's)
         policies = sorted(glob.glob(os.path.join(path, "ckpt", "policy-*")))
-        if policies and not os.path.isfile(os.path.join(path, "config.json")):  # a train.py run folder
+        if policies:
             raise SystemExit(f"{path!r} is a training run's folder: point --model (or --policy "
                              f"{role}=...) at one of its policies: {', '.join(policies)}")
+        if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            raise SystemExit(f"{path!r} is a training run's folder with no checkpoint yet (it saves one every "
+                             "--ckpt_every steps): point --model at a model folder")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"model for role {role!r} not found: {path!r} has no config.json (a HF folder or "
                              "a train.py ckpt/policy-NAME)")

@@ -43,7 +43,7 @@ def as_bool(text):
 CASTS = {"lr": float, "micro_batch_tokens": int, "minibatches": int, "temperature": float, "top_p": float,
          "max_new_tokens": int, "thinking": as_bool}
 as_bool.__name__ = "bool"
-# each per-role flag's type: ROLE=VALUE,... is read into {role: value} (common.parse_flags)
+# each per-role flag's type: ROLE=VALUE,... is read into {role: value} (config.parse_flags)
 CASTS_OF_FLAG = {k: CASTS[k.removeprefix("eval_")] for k in PER_ROLE_FLAGS}
 
 

@@ -4787,6 +4787,41 @@ def test_bad_values_stop_before_the_warm_up(tmp_path, monkeypatch):
         assert not (tmp_path / "bases").exists() and time.time() - t0 < 30  # before the warm-up
 
 
+HOSTILE = ["nan", "inf", "-1", "0", "1e30", "", "abc", "/etc/passwd", "/tmp", "/nonexistent/x"]
+
+
+@pytest.mark.slow(40)
+def test_every_flag_given_hostile_values(tmp_path, tiny_dir):
+    """Every flag of train.py and of eval.py, alone, given each hostile value (nan, inf, -1, 0, huge, empty, a
+    word, a file, a folder, a missing path): configure either stops with one line (no traceback, before a model
+    loads) or accepts it; every huge or negative number it accepts trains one scripted step, or stops in one line
+    (--nccl_timeout_min 1e30 was an OverflowError in torch's timedelta; a context of 0 tokens, eval_turns 0, a
+    gamma of -1 ran)."""
+    import train as T
+    import eval as V
+    accepted = []
+    for script, flags, base in [(T, T.FLAGS, ["--out_dir", str(tmp_path / "r")]),
+                                (V, V.FLAGS, ["--task", "plan", "--model", tiny_dir])]:
+        for name in flags:
+            for value in HOSTILE:
+                try:
+                    script.configure(base + [f"--{name}", value])
+                except SystemExit as e:
+                    assert str(e.code).strip() and "\n" not in str(e.code).strip(), (name, value, e.code)
+                    continue
+                if script is T and value in ("1e30", "-1", "nan", "inf"):
+                    accepted.append((name, value))
+    assert len(accepted) >= 10, accepted  # (today 21, each a weight, a coefficient or a limit)
+    args = SMOKE[:-6] + ["--engine", "scripted", "--max_new_tokens", "64", "--warmup_steps", "0", "--ckpt_every", "1"]
+    for name, value in accepted:
+        out = tmp_path / f"{name}{value}"
+        try:
+            T.main(args + [f"--{name}", value, "--out_dir", str(out)])
+        except SystemExit as e:
+            assert "\n" not in str(e.code).strip(), (name, value, e.code)
+        assert os.path.exists(out / "metrics.jsonl"), (name, value)
+
+
 def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monkeypatch):
     """As verl's actor does (dp_actor.py: a non-finite grad norm skips optimizer.step): an optimizer step whose loss
     is NaN or one of whose gradients is inf is not applied, the optimizer state untouched, and counted; three steps in
@@ -4847,6 +4882,7 @@ def test_a_non_finite_update_never_reaches_the_weights(tmp_path, tiny_dir, monke
 def test_what_new_users_tried_stops_with_one_line(tmp_path, tiny_dir, monkeypatch):
     """What a new user tried and got a traceback or a silently different run for, at 6f55a62: each stops in
     configure, before anything loads, with one line naming the fix."""
+    import shutil
     import train as T
     r = subprocess.run([PY, "train.py", "--out_dir", ""], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == (
@@ -4866,7 +4902,12 @@ def test_what_new_users_tried_stops_with_one_line(tmp_path, tiny_dir, monkeypatc
     monkeypatch.undo()
     run = tmp_path / "run"
     os.makedirs(run / "ckpt" / "policy-tool+plan")
+    (run / "config.json").write_text(json.dumps({"task": "plan", "seed": 0}))  # a run folder holds the run's
     with pytest.raises(SystemExit, match=r"is a training run's folder: .*ckpt/policy-tool\+plan"):
+        V.configure(["--task", "plan", "--model", str(run)])  # was a tokenizer traceback (sentencepiece or tiktoken)
+    shutil.rmtree(run / "ckpt")
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match=r"is a training run's folder with no checkpoint yet"):
         V.configure(["--task", "plan", "--model", str(run)])
     with pytest.raises(SystemExit, match="--files 'nope.jsonl': no such file"):
         V.configure(["--task", "math", "--model", tiny_dir, "--files", "nope.jsonl"])
