@@ -1,0 +1,100 @@
+"""
+The AT-GRPO paper's game table (Table 1, Qwen3-1.7B) in miniature: each row of the table trained on the tiny
+default of each game, on seeds never used to choose a setting, at one budget of steps for every row.
+
+    python tools/table1.py run --game plan --row single_grpo --seeds 5101,5102,5103   # the runs of one cell
+    python tools/table1.py table --game plan --seeds 5101,5102,5103                   # the table from the folders
+
+A cell's runs: `python train.py --task GAME --seed S --stop_step STEPS --time_limit_min 0 --eval_every STEPS
+--out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another. The prompt-only rows are each trained row's step-0
+evaluation (the warmed-up base before RL, in that row's workflow): the held-out set is the game's 200 compact test
+instances, greedy, as every evaluation here. Each cell: mean [min-max] over the seeds, and the 95% Wilson interval
+of the seeds' pooled held-out episodes.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+
+ROWS = {  # row: (the paper's name, train.py's flags)
+    "single_grpo": ("single agent + GRPO", ["--workflow", "single", "--algo", "grpo"]),
+    "mas_grpo": ("two agents + GRPO (trajectory)", ["--algo", "grpo"]),
+    "mas_at_grpo": ("two agents + AT-GRPO, shared", []),
+    "mas_at_grpo_per_role": ("two agents + AT-GRPO, per role", ["--policies", "per_role"]),
+}
+# the paper's Table 1, Qwen3-1.7B, accuracy %: (Plan-Path, Sokoban, Sudoku); None: not a row of the paper
+PAPER = {
+    "prompt, single agent": (5.0, 0.0, 7.0),
+    "prompt, two agents": (10.0, 0.0, 69.0),
+    "single agent + GRPO": (11.0, 3.0, 29.0),
+    "two agents + GRPO (trajectory)": None,
+    "two agents + AT-GRPO, shared": (96.0, 10.0, 99.0),
+    "two agents + AT-GRPO, per role": (97.0, 11.5, 99.0),
+}
+GAMES = ("plan", "sokoban", "sudoku")
+STEPS = 100
+
+
+def folder(game, row, seed):
+    return os.path.join(HERE, "runs", "table1", f"{game}-{row}-s{seed}")
+
+
+def run(game, row, seeds, steps=STEPS):
+    for seed in seeds:
+        out = folder(game, row, seed)
+        cmd = [sys.executable, "train.py", "--task", game, "--seed", str(seed), "--stop_step", str(steps),
+               "--time_limit_min", "0", "--eval_every", str(steps), "--out_dir", out] + ROWS[row][1]
+        print(" ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=HERE, check=True)
+
+
+def evals(game, row, seed, steps):
+    """(held-out success at step 0, at step `steps` or None while the run is short of it, instances)."""
+    recs = [json.loads(line) for line in open(os.path.join(folder(game, row, seed), "metrics.jsonl"))]
+    done = [r for r in recs if "eval_success" in r]
+    n = json.load(open(os.path.join(folder(game, row, seed), "config.json")))["eval_n"]
+    last = done[-1]["eval_success"] if done[-1]["step"] == steps else None
+    return done[0]["eval_success"], last, n
+
+
+def wilson(successes, n, z=1.96):
+    centre = (successes + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(successes * (n - successes) / n + z * z / 4) / (n + z * z)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def cell(values, n):
+    """mean [min-max] (95% CI of the pooled episodes), in %."""
+    if not values:
+        return "not run"
+    lo, hi = wilson(round(sum(values) * n), n * len(values))
+    return (f"{100 * sum(values) / len(values):.1f} [{100 * min(values):.1f}-{100 * max(values):.1f}] "
+            f"({100 * lo:.0f}-{100 * hi:.0f})")
+
+
+def table(game, seeds, steps=STEPS):
+    prompt = {"prompt, single agent": "single_grpo", "prompt, two agents": "mas_at_grpo"}
+    print(f"| {game}, seeds {', '.join(map(str, seeds))}, {steps} steps | ours: mean [min-max] (95% CI), % "
+          f"| paper, % |")
+    print("|---|---|---|")
+    for name, paper in PAPER.items():
+        row = prompt.get(name) or next(r for r, (label, _) in ROWS.items() if label == name)
+        found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
+        got = [evals(game, row, s, steps) for s in found]
+        values = [g[0] if name in prompt else g[1] for g in got]
+        values = [v for v in values if v is not None]  # runs short of the budget: not yet
+        n = got[0][2] if got else 0
+        print(f"| {name} | {cell(values, n)} | {'-' if paper is None else paper[GAMES.index(game)]} |")
+
+
+if __name__ == "__main__":
+    args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+    seeds = [int(s) for s in args["--seeds"].split(",")]
+    if sys.argv[1] == "run":
+        run(args["--game"], args["--row"], seeds, int(args.get("--steps", STEPS)))
+    else:
+        table(args["--game"], seeds, int(args.get("--steps", STEPS)))
