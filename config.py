@@ -359,6 +359,13 @@ def check_method(cfg, given):
     if cfg["batch_std_steps"] > 0 and "batch" not in algo.scales:
         raise SystemExit(f"--batch_std_steps {cfg['batch_std_steps']} divides the first steps by the "
                          f"step's std, which {cfg['algo']} does not: drop --batch_std_steps")
+    if cfg["branch"] != "greedy" and algo.rollout != "tree":
+        raise SystemExit(f"--branch {cfg['branch']} picks the branch a tree continues, and {cfg['algo']}'s "
+                         f"rollouts are not trees: use it with --algo "
+                         f"{_algos(lambda a: a.rollout == 'tree')}, or drop it")
+    if "gigpo_episode" in given and not algo.anchor_groups:
+        raise SystemExit(f"--gigpo_episode groups the episodes of --algo gigpo, not {cfg['algo']}'s: "
+                         "drop it")
     if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
         raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
                          "here: add --dynamic_sampling 3, or drop --refill")

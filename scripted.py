@@ -3,6 +3,7 @@ A scripted policy in place of a model, for tests, `python bench.py env` and `tra
 the rollouts through code and math end to end with answers a tiny model could never write (right ones, wrong ones,
 programs that loop forever, hostile programs).
 """
+import functools
 import json
 
 import judge
@@ -58,6 +59,19 @@ class ScriptedEngine(Engine):
         self.load(iter_hf_state(model))
 
 
+@functools.lru_cache(maxsize=1)
+def _question_rows():
+    """{the first 300 characters of every code/math question: its rows}, and the keys' lengths, longest
+    first: read once a process (every run's engine shares it; the suite starts hundreds of runs)."""
+    import envs as E
+    rows = {}
+    for task in ("code", "math"):
+        for split in ("train", "test"):
+            for r in E.load_split(task, split):
+                rows.setdefault(r["question"][:300], []).append(r)
+    return rows, sorted({len(k) for k in rows}, reverse=True)
+
+
 class DefaultScript:
     """Answers any task's prompt from the task's own data, by role (read from the system prompt):
       coder      the row's reference solution, or (no reference in the data) a lookup table of its ground-truth tests
@@ -72,18 +86,9 @@ class DefaultScript:
 
     def __init__(self, p_wrong=0.3, p_loop=0.05, p_hostile=0.02):
         self.p_wrong, self.p_loop, self.p_hostile = p_wrong, p_loop, p_hostile
-        self._rows = None
 
     def rows(self):
-        if self._rows is None:  # the first 300 characters of every code/math question -> its rows
-            import envs as E
-            self._rows = {}
-            for task in ("code", "math"):
-                for split in ("train", "test"):
-                    for r in E.load_split(task, split):
-                        self._rows.setdefault(r["question"][:300], []).append(r)
-            self._key_lens = sorted({len(k) for k in self._rows}, reverse=True)
-        return self._rows
+        return _question_rows()[0]
 
     def _row(self, text):
         """The row this prompt is about. The same statement can be in two datasets (LiveCodeBench takes LeetCode
@@ -92,7 +97,7 @@ class DefaultScript:
         i = text.find("Problem:\n")
         table = self.rows()
         hits = (
-            next((table[text[i + 9 : i + 9 + n]] for n in self._key_lens if text[i + 9 : i + 9 + n] in table), [])
+            next((table[text[i + 9 : i + 9 + n]] for n in _question_rows()[1] if text[i + 9 : i + 9 + n] in table), [])
             if i >= 0
             else []
         )
