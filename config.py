@@ -363,9 +363,15 @@ def check_method(cfg, given):
         raise SystemExit(f"--branch {cfg['branch']} picks the branch a tree continues, and {cfg['algo']}'s "
                          f"rollouts are not trees: use it with --algo "
                          f"{_algos(lambda a: a.rollout == 'tree')}, or drop it")
-    if "gigpo_episode" in given and not algo.anchor_groups:
-        raise SystemExit(f"--gigpo_episode groups the episodes of --algo gigpo, not {cfg['algo']}'s: "
+    gigpo_only = [k for k in ("gigpo_episode", "gigpo_gamma", "gigpo_step_weight") if k in given]
+    if gigpo_only and not algo.anchor_groups:
+        raise SystemExit(f"--{gigpo_only[0]} is a setting of --algo gigpo's groups, not {cfg['algo']}'s: "
                          "drop it")
+    ignored = [k for k in ("std_floor", "drop_zero_var") if cfg[k]]
+    if ignored and algo.anchor_groups:
+        raise SystemExit(f"--{ignored[0]} acts on one kind of group, and {cfg['algo']} has two (episodes "
+                         f"and anchor states): use it with --algo {_algos(lambda a: not a.anchor_groups)}, "
+                         "or drop it")
     if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
         raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
                          "here: add --dynamic_sampling 3, or drop --refill")

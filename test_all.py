@@ -4864,10 +4864,13 @@ def test_coupled_flags_pass_the_checks_only_where_they_run(tmp_path):
     --branch, each in a game's or search's (workflow, --policies) cell taken in turn: what the checks let through
     trains one scripted step without raising; what they refuse is one line. The smoke test runs every --algo in
     every cell of every task (code and math too). (`--algo gigpo --batch_std_steps 5` passed the checks and raised
-    at step 0; `--branch random` and `--gigpo_episode` were accepted, and did nothing, with a scheme whose rollouts
-    are not trees or that is not GiGPO.)"""
+    at step 0; `--branch random`, `--gigpo_episode`, `--gigpo_gamma` and `--gigpo_step_weight` were accepted, and
+    did nothing, with a scheme whose rollouts are not trees or that is not GiGPO, as were `--std_floor` and
+    `--drop_zero_var` with GiGPO.)"""
     import train as T
-    for argv in (["--algo", "grpo", "--branch", "random"], ["--algo", "dr_mas", "--gigpo_episode", "call"]):
+    for argv in (["--algo", "grpo", "--branch", "random"], ["--algo", "dr_mas", "--gigpo_episode", "call"],
+                 ["--algo", "at_grpo", "--gigpo_gamma", "0.9"], ["--algo", "gigpo", "--std_floor", "0.25"],
+                 ["--algo", "gigpo", "--drop_zero_var", "true"]):
         with pytest.raises(SystemExit, match="drop it"):
             T.configure(argv)
     cells = [c for c in CELLS if c[0] in ("plan", "sokoban", "sudoku", "search")]  # the cheap steps (0.3 s)
