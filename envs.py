@@ -8,12 +8,16 @@ search, answer), N + M + 1 in a math team (N reasoners, M tool agents, a judge).
     team = env.team_reward(); env.end_turn(); env.done, env.success
     branch = env.clone()                      # independent copy for tree sampling
 
-Tasks and roles (docs/method.md §6):
+Tasks and roles (`TASKS` has each task's workflows; docs/method.md §6):
     plan, sokoban, sudoku   tool -> plan       sequential: the tool agent writes Python whose printed answer is
                                                simulated on a copy; the plan agent gives the final
                                                answer
     code                    coder || tester    parallel: program vs generated unit tests
     math                    tool || reasoner   parallel: Python answer vs \\boxed{} answer
+    math, solver_verifier   solver -> verifier looping until the verifier approves (Dr. MAS)
+    math --team N,M         N reasoners || M tool agents, then a judge
+    search                  verifier -> search or answer   the verifier routes; the search agent queries
+                                               a retriever (Dr. MAS)
 `workflow="single"` keeps only the last role of each (plan agent, coder, reasoner): the paper's
 single-agent baseline. `compact=True` (the embedded CPU default) keeps the same state, rules and
 rewards but renders terse prompts and lets the tool agent answer with the action list itself instead

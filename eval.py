@@ -8,8 +8,9 @@ Evaluate checkpoints on a task's test set with the evaluation protocol (docs/met
     python eval.py --task math --team 2,2 --model M              # N reasoners, M tools, a judge
     python eval.py --task math --model M --eval_k 8              # math: avg@k, pass@k at 0.6
 
-The flags are train.py's, resolved the same way: a preset (tiny for a tiny model, else paper,
-paper-math or paper-code) over the recipe, the flags given on top. The protocol lives in the
+The flags are train.py's, resolved the same way (config.apply_preset): the task's preset (its
+tiny-* preset for a tiny model, else paper, paper-math, paper-code or paper-search) over the
+recipe, the flags given on top. The protocol lives in the
 recipe's eval_* rows. Rollouts are the training code's (plain rollouts, no tree: rollout.evaluate).
 Accuracy = the fraction of instances whose episode ends in success. With k samples per instance:
 avg@k = mean success over all samples, pass@k = the unbiased estimator 1 - C(n-c, k)/C(n, k)

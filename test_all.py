@@ -4866,11 +4866,11 @@ def test_coupled_flags_pass_the_checks_only_where_they_run(tmp_path):
     every cell of every task (code and math too). (`--algo gigpo --batch_std_steps 5` passed the checks and raised
     at step 0; `--branch random`, `--gigpo_episode`, `--gigpo_gamma` and `--gigpo_step_weight` were accepted, and
     did nothing, with a scheme whose rollouts are not trees or that is not GiGPO, as were `--std_floor` and
-    `--drop_zero_var` with GiGPO.)"""
+    `--drop_zero_var` with GiGPO and `--std_floor` with `--scale_rewards none`.)"""
     import train as T
     for argv in (["--algo", "grpo", "--branch", "random"], ["--algo", "dr_mas", "--gigpo_episode", "call"],
                  ["--algo", "at_grpo", "--gigpo_gamma", "0.9"], ["--algo", "gigpo", "--std_floor", "0.25"],
-                 ["--algo", "gigpo", "--drop_zero_var", "true"]):
+                 ["--algo", "gigpo", "--drop_zero_var", "true"], ["--scale_rewards", "none", "--std_floor", "0.25"]):
         with pytest.raises(SystemExit, match="drop it"):
             T.configure(argv)
     cells = [c for c in CELLS if c[0] in ("plan", "sokoban", "sudoku", "search")]  # the cheap steps (0.3 s)
