@@ -506,6 +506,20 @@ def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
 LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
 
 
+def clock_schedule(cfg, step, start_step, seconds, log, master):
+    """--lr_clock, at the top of each step: the run's cfg, with lr_steps cut by fit_schedule at step
+    LR_CLOCK_STEPS from the `seconds` this process's steps took so far (their evaluations included),
+    or (a resume past it) read back from the log's lr_steps (rank 0's `log`). Off (the presets): cfg
+    unchanged."""
+    if not cfg["lr_clock"]:
+        return cfg
+    if step == start_step > LR_CLOCK_STEPS:
+        return {**cfg, "lr_steps": all_max(log.history("lr_steps")[-1] if master else 0)}
+    if step == LR_CLOCK_STEPS and cfg["time_limit_min"]:
+        return fit_schedule(cfg, step - start_step, all_max(max(1, round(seconds))))
+    return cfg
+
+
 def fit_schedule(cfg, steps_done, seconds):
     """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
     pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their

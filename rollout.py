@@ -153,11 +153,12 @@ def tree_rollout(envs, agents, K, turns, sampling, alpha=1.0, branch="greedy", r
             break
         spoken = {i: set() for i in in_turn}  # who answered in this turn, per env
         while True:
-            waiting = [i for i in in_turn if not envs[i].done and envs[i].speakers()]
+            asked = {i: envs[i].speakers() for i in in_turn if not envs[i].done}  # once a pass
+            waiting = [i for i, who in asked.items() if who]
             if not waiting:
                 break
-            stage = envs[waiting[0]].speakers()
-            live = [i for i in waiting if envs[i].speakers() == stage]
+            stage = asked[waiting[0]]
+            live = [i for i in waiting if asked[i] == stage]
             for i in live:
                 check_speaks_once(envs[i], stage, spoken[i], turn)
                 spoken[i].update(stage)

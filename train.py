@@ -518,19 +518,16 @@ def main(argv):
     if start.step == 0 and cfg["eval_every"]:
         res = held_out(test_envs, agents, cfg, 0, rank, world, master)
         log.write({"step": 0, "eval_success": res["accuracy"], "eval_ci": res["ci"], "time": 0.0})
-    # the |dlogp| alarm's history and --lr_clock's schedule: a resume reads them back from the log
+    # the |dlogp| alarm's history: a resume reads it back from the log
     dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
-    if start.step > C.LR_CLOCK_STEPS and cfg["lr_clock"]:
-        cfg = {**cfg, "lr_steps": C.all_max(log.history("lr_steps")[-1] if master else 0)}
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
     t_loop = time.time()
     bad_steps = 0  # steps in a row with a skipped (non-finite) optimizer step
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
-        if step == C.LR_CLOCK_STEPS and cfg["lr_clock"] and cfg["time_limit_min"]:
-            pace = C.all_max(max(1, round(time.time() - t_loop)))  # this process's steps, evals included
-            cfg = C.fit_schedule(cfg, step - start.step, pace)
+        cfg = C.clock_schedule(cfg, step, start.step, time.time() - t_loop, log,
+                               master)  # --lr_clock (off in the presets)
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
         batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
