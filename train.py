@@ -591,7 +591,7 @@ def print_config(cfg):
     print(P.optimizer_steps_line(cfg), flush=True)
     print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in vars(s).items())
                                    for r, s in cfg["role_sampling"].items()), flush=True)
-    if P.is_tiny(cfg) and cfg["task"] in ("code", "math"):
+    if P.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")
 
