@@ -166,18 +166,23 @@ def disk_full(error):
 
 
 def drop_partial_checkpoint(out, rank):
-    """After a failed save: the half-written ckpt.tmp goes (every rank: one may still have been writing
-    its shard when another's write failed), the kept checkpoints stay."""
+    """After a failed save: the half-written ckpt.tmp goes (rank 0's: another rank may still add its
+    shard's folder; the next save clears it, and a resume never reads it), the kept checkpoints stay."""
     STOP.saving = False
-    shutil.rmtree(os.path.join(out, "ckpt.tmp"), ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(os.path.join(out, "ckpt.tmp"), ignore_errors=True)
+
+
+def folder_bytes(path):
+    """The bytes of the files under `path` (0: no such folder)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def checkpoint_bytes(out):
-    """The bytes of the newest kept checkpoint, what the next one will take (0: none yet)."""
+    """The bytes of the newest kept checkpoint, what the next one will take (0: none yet; the first
+    checkpoint is not checked ahead, its failure is caught as it happens)."""
     dirs = checkpoint_dirs(out)
-    if not dirs:
-        return 0
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dirs[0]) for f in fs)
+    return folder_bytes(dirs[0]) if dirs else 0
 
 
 def refuse_if_no_space(out, step):
@@ -185,7 +190,8 @@ def refuse_if_no_space(out, step):
     newest one), before any rank writes: a rank whose write failed alone would leave the others in
     a collective."""
     need = checkpoint_bytes(out)
-    short = all_max(need - shutil.disk_usage(out).free)
+    stale = folder_bytes(os.path.join(out, "ckpt.tmp"))  # a failed save's leftover, cleared first
+    short = all_max(need - shutil.disk_usage(out).free - stale)
     if short > 0:
         raise SystemExit(f"no space left on the device of {out} for the checkpoint of step {step}: "
                          f"it needs {need / 1e9:.2f} GB, {short / 1e9:.2f} GB more than is free; the "
@@ -193,10 +199,12 @@ def refuse_if_no_space(out, step):
 
 
 def peer_gone(error):
-    """A collective that failed because another rank's process ended (gloo, NCCL, the store)."""
+    """A collective that failed because another rank's process ended (gloo's and the store's words;
+    NCCL's come as DistBackendError)."""
     text = f"{type(error).__name__} {error}"
-    return OWN_GROUP and any(k in text for k in ("Connection closed by peer", "DistBackendError",
-                                                 "DistNetworkError", "Connection reset by peer"))
+    return (dist.is_initialized() and dist.get_world_size() > 1
+            and any(k in text for k in ("Connection closed by peer", "Connection reset by peer",
+                                        "DistBackendError", "DistNetworkError")))
 
 
 def checkpoint_dirs(out):

@@ -367,14 +367,14 @@ def check_method(cfg, given):
     if gigpo_only and not algo.anchor_groups:
         raise SystemExit(f"--{gigpo_only[0]} is a setting of --algo gigpo's groups, not {cfg['algo']}'s: "
                          "drop it")
-    if cfg["std_floor"] and cfg["scale_rewards"] == "none":
-        raise SystemExit(f"--std_floor {cfg['std_floor']} floors the std that --scale_rewards none does "
-                         "not divide by: use --scale_rewards group or batch, or drop it")
     ignored = [k for k in ("std_floor", "drop_zero_var") if cfg[k]]
     if ignored and algo.anchor_groups:
         raise SystemExit(f"--{ignored[0]} acts on one kind of group, and {cfg['algo']} has two (episodes "
                          f"and anchor states): use it with --algo {_algos(lambda a: not a.anchor_groups)}, "
                          "or drop it")
+    if cfg["std_floor"] and cfg["scale_rewards"] == "none":
+        raise SystemExit(f"--std_floor {cfg['std_floor']} floors the std that --scale_rewards none does "
+                         "not divide by: use --scale_rewards group or batch, or drop it")
     if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
         raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
                          "here: add --dynamic_sampling 3, or drop --refill")

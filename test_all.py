@@ -4844,7 +4844,7 @@ def coupled_runs(configure, cells):
     cell, is 36,864 runs of which 7,296 pass: too many to step through in a suite (docs/tests.md)."""
     runs, refused = [], 0
     for i, values in enumerate(itertools.product(*COUPLED.values())):
-        task, workflow, policies = cells[i % len(cells)]
+        task, workflow, policies = cells[(i + i // 4) % len(cells)]  # (i alone: each --policies one --pack)
         argv = ["--task", task, "--workflow", workflow, "--policies", policies]
         argv += [x for k, v in zip(COUPLED, values) for x in (f"--{k}", v)]
         argv += ["--split", "groups"] if "true" in values[6:7] else []  # --pack: a sibling group is one row
@@ -4868,15 +4868,24 @@ def test_coupled_flags_pass_the_checks_only_where_they_run(tmp_path):
     did nothing, with a scheme whose rollouts are not trees or that is not GiGPO, as were `--std_floor` and
     `--drop_zero_var` with GiGPO and `--std_floor` with `--scale_rewards none`.)"""
     import train as T
-    for argv in (["--algo", "grpo", "--branch", "random"], ["--algo", "dr_mas", "--gigpo_episode", "call"],
-                 ["--algo", "at_grpo", "--gigpo_gamma", "0.9"], ["--algo", "gigpo", "--std_floor", "0.25"],
-                 ["--algo", "gigpo", "--drop_zero_var", "true"], ["--scale_rewards", "none", "--std_floor", "0.25"]):
-        with pytest.raises(SystemExit, match="drop it"):
+    for argv, flag in ((["--algo", "grpo", "--branch", "random"], "--branch random"),
+                       (["--algo", "dr_mas", "--gigpo_episode", "call"], "--gigpo_episode"),
+                       (["--algo", "at_grpo", "--gigpo_gamma", "0.9"], "--gigpo_gamma"),
+                       (["--algo", "gigpo", "--std_floor", "0.25"], "--std_floor"),
+                       (["--algo", "gigpo", "--drop_zero_var", "true"], "--drop_zero_var"),
+                       (["--algo", "gigpo", "--scale_rewards", "none", "--std_floor", "0.25"], "--std_floor .* gigpo"),
+                       (["--scale_rewards", "none", "--std_floor", "0.25"], "--std_floor 0.25 floors")):
+        with pytest.raises(SystemExit, match=f"^{flag}.*drop it"):
             T.configure(argv)
+    for argv in (["--algo", "at_grpo", "--branch", "random"], ["--algo", "gigpo", "--gigpo_episode", "call"],
+                 ["--std_floor", "0.25"], ["--algo", "dr_mas", "--drop_zero_var", "true"]):
+        T.configure(argv)  # where each acts, each is taken
     cells = [c for c in CELLS if c[0] in ("plan", "sokoban", "sudoku", "search")]  # the cheap steps (0.3 s)
     runs, refused = coupled_runs(lambda a: T.configure(a + ["--out_dir", str(tmp_path / "c")]), cells)
     print(f"{len(runs)} runs, {refused} refused")
     assert len(runs) >= 100 and refused >= 400  # (today 152 and 616)
+    pairs = {(a[a.index("--policies") + 1], a[a.index(f"--{k}") + 1]) for a in runs for k in ("pack", "branch")}
+    assert len(pairs) == 4 * 4, sorted(pairs)  # each way of sharing policies meets each --pack and --branch
     step = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0",
             "--ckpt_every", "0", "--engine", "scripted", "--max_new_tokens", "32", "--warmup_steps", "0"]
     for i, argv in enumerate(runs):
@@ -5429,7 +5438,8 @@ def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path, full_rank):
     text = r.stdout + r.stderr
     assert r.returncode != 0 and took < 120, (took, text[-3000:])
     assert "no space left on the device" in text, text[-3000:]
-    assert not (out / "ckpt.tmp").exists()
+    assert [os.path.basename(d) for d in C.checkpoint_dirs(str(out))] == ["ckpt"]  # (a ckpt.tmp is never read)
+    assert full_rank == "0" or not (out / "ckpt.tmp").exists()  # (rank 1 may add its shard's folder after rank 0's)
     assert C.damage(str(out / "ckpt")) == "" and torch.load(out / "ckpt" / "state.pt")["step"] == 1
     ours = [line for line in text.splitlines() if "while writing the checkpoint of step 2" in line]
     assert len(ours) == 2, text[-3000:]  # one line from each rank, no traceback of ours

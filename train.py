@@ -627,10 +627,14 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
         if not (C.disk_full(e) or C.peer_gone(e)):
             raise
         C.drop_partial_checkpoint(cfg["out_dir"], rank)
-        what = (f"no space left on the device of {cfg['out_dir']}" if C.disk_full(e)
-                else "another rank stopped (its line above)")
-        raise SystemExit(f"{what} while writing the checkpoint of step {step}; the checkpoints "
-                         f"before it are intact: free space, then {C.resume_hint()}")
+        if C.disk_full(e):
+            raise SystemExit(f"no space left on the device of {cfg['out_dir']} while writing the "
+                             f"checkpoint of step {step}; the checkpoints before it are intact: "
+                             f"free space, then {C.resume_hint()}")
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise SystemExit(f"rank {rank}: another rank stopped while writing the checkpoint of step "
+                         f"{step} (its line above; here {type(e).__name__}: {first}); the "
+                         f"checkpoints before it are intact: {C.resume_hint()}")
 
 
 if __name__ == "__main__":
