@@ -286,6 +286,16 @@ def trajectory_returns(samples):
         s.ret = tot[(s.env, s.traj, s.role)]
 
 
+def plain_values(samples, trajectories, algo, reward, alpha, penalty):
+    """A plain rollout's samples made ready for --algo's value: with --reward outcome every call
+    takes its trajectory's final outcome (Dr. MAS), and a scheme whose value is a return (grpo's
+    s.ret) sums each agent's rewards over its trajectory."""
+    if reward == "outcome":
+        outcome_rewards(samples, trajectories, alpha, penalty)
+    if ALGOS[algo].returns:
+        trajectory_returns(samples)
+
+
 def outcome_rewards(samples, trajectories, alpha, penalty):
     """--reward outcome, Dr. MAS's assignment: every call's reward is alpha x its trajectory's final
     team reward (the episode's outcome), minus `penalty` for an ill-formed answer. `trajectories`:

@@ -432,10 +432,8 @@ class Rollouts:
         else:
             samples, trajs = plain_rollout(envs, self.agents, cfg["K"], cfg["turns"], sampling,
                                            cfg["alpha"], self.timer)
-            if cfg["reward"] == "outcome":  # every call: its trajectory's final outcome (Dr. MAS)
-                G.outcome_rewards(samples, trajs, cfg["alpha"], cfg["invalid_penalty"])
-            if algo.returns:
-                G.trajectory_returns(samples)
+            G.plain_values(samples, trajs, cfg["algo"], cfg["reward"], cfg["alpha"],
+                           cfg["invalid_penalty"])  # --reward outcome; grpo's returns
             episodes = [e for ts in trajs for e in ts]
         for s in samples:
             s.env += self.envs
