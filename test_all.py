@@ -4887,7 +4887,8 @@ def test_coupled_flags_pass_the_checks_only_where_they_run(tmp_path):
     pairs = {(a[a.index("--policies") + 1], a[a.index(f"--{k}") + 1]) for a in runs for k in ("pack", "branch")}
     assert len(pairs) == 4 * 4, sorted(pairs)  # each way of sharing policies meets each --pack and --branch
     step = ["--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0",
-            "--ckpt_every", "0", "--engine", "scripted", "--max_new_tokens", "32", "--warmup_steps", "0"]
+            "--ckpt_every", "0", "--engine", "scripted", "--max_new_tokens", "32", "--warmup_steps", "0",
+            "--minibatches", "1"]  # (one optimizer step: a step's cost is mostly its backward passes)
     for i, argv in enumerate(runs):
         out = tmp_path / str(i)
         T.main(step + argv + ["--out_dir", str(out)])
