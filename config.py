@@ -329,6 +329,9 @@ def check_task(cfg):
     if cfg["task"] == "math" and importlib.util.find_spec("math_verify") is None:
         raise SystemExit("--task math scores answers with math-verify, which is not installed: run "
                          "./setup.sh, or pip install math-verify")
+    if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
+        raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
+                         f"{cfg['task']!r}'s: drop it")
     tiny_run = P.is_tiny(cfg)
     budget = min(P.flag_values(cfg, "max_new_tokens"))
     if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:

@@ -480,6 +480,9 @@ class Sokoban(GridGame):
 # Sudoku 4x4 with a unique solution
 
 
+SUDOKU_FILL = 0.1  # the spec's reward for a legal fill of an empty cell
+
+
 def sudoku_solutions(grid, limit=2):
     """All completions of a 4x4 grid (0 = empty), up to `limit` (brute force over empty cells)."""
     g = [row[:] for row in grid]
@@ -521,8 +524,9 @@ class Sudoku(GridGame):
                   "(or a list of [row, col, value] fills, 0-based)")
     fail_reward = -1.0
 
-    def __init__(self, seed, workflow="mas", compact=False):
+    def __init__(self, seed, workflow="mas", compact=False, wrong_fill=SUDOKU_FILL):
         super().__init__(workflow, compact)
+        self.wrong_fill = wrong_fill  # a legal fill of a digit that is not the solution's
         rng = random.Random(f"sudoku-{seed}")
         # a valid 4x4 grid
         base = [[(2 * (r % 2) + r // 2 + c) % 4 + 1 for c in range(4)] for r in range(4)]
@@ -539,7 +543,7 @@ class Sudoku(GridGame):
             keep, puzzle[r][c] = puzzle[r][c], 0
             if len(sudoku_solutions(puzzle)) != 1:
                 puzzle[r][c] = keep
-        self.clues, self.grid = puzzle, [row[:] for row in puzzle]
+        self.clues, self.grid, self.solution = puzzle, [row[:] for row in puzzle], full
 
     def summary(self):
         """Compact mode's view: one character per cell in reading order, the digit of a filled cell,
@@ -659,10 +663,13 @@ class Sudoku(GridGame):
 
     def fill_reward(self, r, c, v):
         """A legal fill of an empty cell: the spec's partial progress, +0.1, whether or not v is the
-        solution's digit. Rewriting a filled cell with another legal digit earns 0: it is allowed (a
-        wrong fill can be recovered) but it is not progress, so toggling one cell never pays (the
+        solution's digit (`--sudoku_wrong_fill R`: R for a digit that is not, a deviation from the
+        spec, off by default). Rewriting a filled cell with another legal digit earns 0: it is allowed
+        (a wrong fill can be recovered) but it is not progress, so toggling one cell never pays (the
         reference charges -0.3 for it: docs/design.md)."""
-        return 0.0 if self.grid[r][c] else 0.1
+        if self.grid[r][c]:
+            return 0.0
+        return SUDOKU_FILL if v == self.solution[r][c] else self.wrong_fill
 
 
 # -----------------------------------------------------------------------------
@@ -1336,9 +1343,11 @@ WARMUPS = ("turn", "calls", "none")
 
 
 def _game(cls, **compact_settings):
-    """The factory of a generated game: its compact form takes `compact_settings`."""
-    def make(seed, workflow, compact, row, **_):
-        return cls(seed, workflow=workflow, compact=compact, **(compact_settings if compact else {}))
+    """The factory of a generated game: its compact form takes `compact_settings`, every form the
+    run's `game` settings (Sudoku's wrong_fill)."""
+    def make(seed, workflow, compact, row, game=None, **_):
+        return cls(seed, workflow=workflow, compact=compact, **(compact_settings if compact else {}),
+                   **(game or {}))
     return make
 
 
@@ -1445,16 +1454,18 @@ def load_split(task, split, files=None):
 
 
 def make_env(task, seed=0, workflow="mas", compact=False, row=None, train_tests=None, team=None, turns=4,
-             search=None):
+             search=None, game=None):
     """`team` (n, m, mode): math with n reasoners, m tool agents and a judge (TeamMathEnv). `turns`:
     the turn limit of the workflows that end themselves there (solver_verifier, search). `search`:
-    the search task's settings, a dict of topk, retriever, metric."""
+    the search task's settings, a dict of topk, retriever, metric. `game`: a game's own settings
+    (Sudoku: wrong_fill)."""
     if task not in TASKS or workflow not in TASKS[task]["workflows"]:
         check_task(task, workflow)
     if row is None and not TASKS[task]["generated"]:
         raise ValueError(f"task {task!r} needs a dataset row (see load_split)")
     return TASKS[task]["make"](seed=seed, workflow=workflow, compact=compact, row=row,
-                               train_tests=train_tests, team=team, turns=turns, search=search)
+                               train_tests=train_tests, team=team, turns=turns, search=search,
+                               game=game)
 
 
 def test_set(task, n=100, compact=False, workflow="mas", files=None, limit=None, team=None, turns=4,
@@ -1479,12 +1490,13 @@ def test_boards(task, compact):
 
 
 def train_env(task, rng, workflow="mas", compact=False, rows=None, train_tests=5, team=None, turns=4,
-              search=None):
+              search=None, game=None):
     """A fresh training instance: a game or world seed below TEST_SEED0, or a random row of the
     training pool."""
     if TASKS[task]["generated"] and not rows:
         while True:
-            env = make_env(task, rng.randrange(TEST_SEED0), workflow, compact, turns=turns, search=search)
+            env = make_env(task, rng.randrange(TEST_SEED0), workflow, compact, turns=turns, search=search,
+                           game=game)
             if not hasattr(env, "board") or env.board() not in test_boards(task, compact):
                 return env
     return make_env(task, workflow=workflow, row=rng.choice(rows), train_tests=train_tests, team=team,

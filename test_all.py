@@ -1963,17 +1963,14 @@ def test_sudoku_rewards_only_progress():
     assert farmed >= 50
 
 
-def test_sudoku_solution_reward_counterfactual(monkeypatch):
-    """docs/sudoku_solution_reward.py (the counterfactual): with its `fill_reward` hooked into Sudoku, a legal fill off
-    the solution (the test's own exhaustive solver) earns -0.3 instead of +0.1, a right fill still +0.1 and an illegal
-    one -0.3; with the spec's reward (the default) the wrong legal fill earns +0.1. The script refuses --task."""
-    import runpy
-    hook = runpy.run_path(os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"))[
-        "solution_fill_reward"
-    ]
-    spec = E.Sudoku.fill_reward
+def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
+    """--sudoku_wrong_fill R (off by default: the spec's +0.1 for any legal fill): a legal fill off the solution (the
+    test's own exhaustive solver) earns R, a right fill still +0.1 and an illegal one -0.3; at the default the wrong
+    legal fill earns +0.1. The flag is Sudoku's only, and reaches the training envs (docs/sudoku_solution_reward.py,
+    the counterfactual that measured -0.3, now runs it)."""
+    import train as T
     cases = 0
-    for env in E.test_set("sudoku", n=40, compact=True):
+    for n, env in enumerate(E.test_set("sudoku", n=40, compact=True)):
         sol = solve_sudoku(env.clues)[0]
         r, c = next((i, j) for i in range(4) for j in range(4) if not env.clues[i][j])
         legal = [v for v in range(1, 5) if E.Sudoku.legal(env.grid, r, c, v)]
@@ -1982,20 +1979,23 @@ def test_sudoku_solution_reward_counterfactual(monkeypatch):
             continue
         illegal = next(v for v in range(1, 5) if v not in legal) if len(legal) < 4 else None
         cases += 1
-        monkeypatch.setattr(E.Sudoku, "fill_reward", spec)
         assert env.clone().apply([(r, c, wrong[0])])[0] == pytest.approx(0.1)
-        monkeypatch.setattr(E.Sudoku, "fill_reward", hook)
-        e = env.clone()
+        charged = E.make_env("sudoku", E.TEST_SEED0 + n, compact=True, game={"wrong_fill": -0.3})
+        assert charged.clues == env.clues
+        e = charged.clone()
         assert e.apply([(r, c, wrong[0])])[0] == pytest.approx(-0.3) and e.grid[r][c] == wrong[0]  # still written
-        assert env.clone().apply([(r, c, sol[r][c])])[0] == pytest.approx(0.1)
+        assert charged.clone().apply([(r, c, sol[r][c])])[0] == pytest.approx(0.1)
         if illegal is not None:
-            assert env.clone().apply([(r, c, illegal)])[0] == pytest.approx(-0.3)
+            assert charged.clone().apply([(r, c, illegal)])[0] == pytest.approx(-0.3)
     assert cases >= 20
-    monkeypatch.setattr(sys, "argv", ["sudoku_solution_reward.py", "--task", "plan"])
-    with pytest.raises(SystemExit, match="drop --task"):
-        runpy.run_path(
-            os.path.join(os.path.dirname(__file__), "docs", "sudoku_solution_reward.py"), run_name="__main__"
-        )
+    with pytest.raises(SystemExit, match="^--sudoku_wrong_fill is Sudoku's .* not 'plan''s: drop it"):
+        T.configure(["--sudoku_wrong_fill", "-0.3"])
+    made = []
+    real = E.train_env
+    monkeypatch.setattr(E, "train_env", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    T.main(SMOKE[:-6] + ["--engine", "scripted", "--max_new_tokens", "17", "--warmup_steps", "0", "--task", "sudoku",
+                         "--sudoku_wrong_fill", "-0.3", "--out_dir", str(tmp_path / "r")])
+    assert made and all(env.wrong_fill == -0.3 for env in made)
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])

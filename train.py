@@ -77,6 +77,7 @@ turns = 3                  # T, max turns per episode
 alpha = 1.0                # weight of the team reward in every call's reward
 reward = "immediate"       # immediate: each call's alpha*team + local; outcome: the episode's (Dr. MAS)
 invalid_penalty = 0.1      # --reward outcome: minus this for an ill-formed answer (Dr. MAS: 0.1 math)
+sudoku_wrong_fill = 0.1    # --task sudoku: a legal fill of a wrong digit (the spec: 0.1, as a right one)
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 search_train = ""          # --task search: questions (jsonl, Search-R1's or HotpotQA's format); "" = generated
@@ -363,10 +364,12 @@ class Tasks:
     team: tuple     # --team: (reasoners, tools, mode); None = the task's own agents
     turns: int
     search: dict    # --task search: topk, retriever, metric (retrieval.settings)
+    game: dict      # a game's own settings: --sudoku_wrong_fill (training envs only: no reward is
+    #                 part of the held-out success)
 
     def fresh(self, rng, n):
         return [E.train_env(self.task, rng, self.workflow, self.compact, self.rows or None,
-                            team=self.team, turns=self.turns, search=self.search)
+                            team=self.team, turns=self.turns, search=self.search, game=self.game)
                 for _ in range(n)]
 
 
@@ -379,8 +382,11 @@ def load_tasks(cfg):
         if not rows:
             raise SystemExit(f"task {cfg['task']!r} has no training rows: list its files in envs.TASKS")
     compact = P.is_tiny(cfg) and spec["answer_tokens"] > 0  # the tiny model plays the compact form
+    game = {}  # a game's own settings (config.check_task: only for its game)
+    if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL:
+        game["wrong_fill"] = cfg["sudoku_wrong_fill"]
     tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, P.parse_team(cfg), cfg["turns"],
-                  retrieval.settings(cfg))
+                  retrieval.settings(cfg), game)
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
     test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=tasks.compact,
                            workflow=cfg["workflow"], files=test_files, limit=cfg["eval_n"],
