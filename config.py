@@ -254,6 +254,7 @@ BOUNDS = [
     ("warmup_steps", lambda v: v >= 0, "0 (no format warm-up) or a number of steps"),
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
     ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
+    ("sudoku_wrong_fill", lambda v: -2 <= v <= 2, "a reward in [-2, 2] (the spec's 0.1; a solve earns 2)"),
     ("lr_steps", lambda v: v >= 0, "0 (the schedule spans --steps) or a number of steps"),
     ("lr_clock", lambda v: 0 <= v <= 1, "a share of --time_limit_min in [0, 1] (0: the schedule by steps)"),
     ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of the schedule in [0, 1]"),

@@ -1990,6 +1990,9 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
     assert cases >= 20
     with pytest.raises(SystemExit, match="^--sudoku_wrong_fill is Sudoku's .* not 'plan''s: drop it"):
         T.configure(["--sudoku_wrong_fill", "-0.3"])
+    for bad in ("-3", "1e30", "nan"):
+        with pytest.raises(SystemExit, match="^--sudoku_wrong_fill [-0-9.e+na]+: use a"):
+            T.configure(["--task", "sudoku", "--sudoku_wrong_fill", bad])
     made = []
     real = E.train_env
     monkeypatch.setattr(E, "train_env", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
