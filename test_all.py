@@ -4382,7 +4382,7 @@ def test_train_smoke_every_combination(task, tmp_path):
     accept trains a step (the torch sampler on the tiny model), with a gradient for each policy."""
     import train as T
     ran, seen = 0, set()
-    for task_, workflow, policies in [c for c in CELLS if c[0] == task]:
+    for _, workflow, policies in [c for c in CELLS if c[0] == task]:
         for algo in G.ALGOS:
             out = tmp_path / f"{workflow}-{policies}-{algo}"
             argv = SMOKE + ["--task", task, "--workflow", workflow, "--policies", policies, "--algo", algo,
@@ -4849,8 +4849,9 @@ def coupled_runs(configure, cells):
     for i, values in enumerate(itertools.product(*COUPLED.values())):
         task, workflow, policies = cells[(i + i // 4) % len(cells)]  # (i alone: each --policies one --pack)
         argv = ["--task", task, "--workflow", workflow, "--policies", policies]
-        argv += [x for k, v in zip(COUPLED, values) for x in (f"--{k}", v)]
-        argv += ["--split", "groups"] if "true" in values[6:7] else []  # --pack: a sibling group is one row
+        method = dict(zip(COUPLED, values))
+        argv += [x for k, v in method.items() for x in (f"--{k}", v)]
+        argv += ["--split", "groups"] if method["pack"] == "true" else []  # --pack: a sibling group is one row
         try:
             configure(argv)
         except SystemExit as e:
