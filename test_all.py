@@ -5502,9 +5502,11 @@ def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
 
 
 @pytest.mark.slow(75)
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+@pytest.mark.xdist_group("shared_bases")
+def test_resume_reproduces_uninterrupted_run(tmp_path, shared_bases):
     """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
-    Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons)."""
+    Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons).
+    The base is the torchrun tests' (60 warm-up steps, shared_bases): whichever runs first builds it."""
     args = [
         PY,
         "train.py",
@@ -5523,9 +5525,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         "--envs_per_step",
         "4",
         "--warmup_steps",
-        "20",
+        "60",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", tiny.CACHE_ENV: shared_bases}
     # the uninterrupted run beside the one that is killed: one thread each on the 2 cores (b waits for a's base)
     a_log = open(tmp_path / "a.log", "w")
     run_a = subprocess.Popen(args + ["--out_dir", str(tmp_path / "a")], cwd=HERE, env=env, stdout=a_log,
@@ -5539,7 +5541,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     p.wait()
     assert run_a.wait(timeout=900) == 0, (tmp_path / "a.log").read_text()[-4000:]
     assert not (tmp_path / "b" / "metrics.jsonl").read_text().count('"step": 4')
-    _run(args + ["--out_dir", str(tmp_path / "b"), "--resume", "true"], timeout=900)
+    _run(args + ["--out_dir", str(tmp_path / "b"), "--resume", "true"], timeout=900,
+         env_extra={tiny.CACHE_ENV: shared_bases})
 
     def strip(path):
         return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
@@ -5699,16 +5702,27 @@ def test_a_damaged_or_unwritable_checkpoint_is_never_the_only_one(tmp_path, monk
         T.configure(["--keep_ckpts", "0"])
 
 
+SIGNAL_RUN = FAST + ["--steps", "8", "--stop_step", "5", "--ckpt_every", "100", "--eval_every", "2"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory):
+    """The run the signal tests' interrupted runs must end as: run once for both."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "a"
+    _run(SIGNAL_RUN + ["--out_dir", str(out)])
+    return out
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig):
+@pytest.mark.xdist_group("uninterrupted_run")
+def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig, uninterrupted_run):
     """Ctrl-C (SIGINT) or SIGTERM to a running train.py: it finishes the step, checkpoints,
     and exits 128 + the signal with one line, no traceback, holding the exact command that resumes;
     that command says where it resumes from and ends with the log of an uninterrupted run."""
     import re
     import shlex
     import signal
-    args = FAST + ["--steps", "8", "--stop_step", "5", "--ckpt_every", "100", "--eval_every", "2"]
-    _run(args + ["--out_dir", str(tmp_path / "a")])
+    args = SIGNAL_RUN
     p = subprocess.Popen(args + ["--out_dir", str(tmp_path / "b")], cwd=HERE, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -5732,7 +5746,7 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig):
     def strip(path):
         return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"}
                 for l in open(path)]
-    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    a, b = strip(uninterrupted_run / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
     assert [x["step"] for x in b] == [0, 1, 2, 3, 4, 5] and a == b
 
 
