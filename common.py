@@ -180,7 +180,7 @@ def folder_bytes(path):
 
 def checkpoint_bytes(out):
     """The bytes of the newest kept checkpoint, what the next one will take (0: none yet; the first
-    checkpoint is not checked ahead, its failure is caught as it happens)."""
+    is checked at the start, refuse_if_no_room_to_start)."""
     dirs = checkpoint_dirs(out)
     return folder_bytes(dirs[0]) if dirs else 0
 
@@ -196,6 +196,25 @@ def refuse_if_no_space(out, step):
         raise SystemExit(f"no space left on the device of {out} for the checkpoint of step {step}: "
                          f"it needs {need / 1e9:.2f} GB, {short / 1e9:.2f} GB more than is free; the "
                          f"checkpoints before it are intact: free space, then {resume_hint()}")
+
+
+def refuse_if_no_room_to_start(cfg, need):
+    """A fresh run that saves checkpoints stops in one line, before anything loads, when the disk of
+    --out_dir cannot hold its first (`need` bytes, memory.first_checkpoint_bytes): not after the
+    minutes or hours before its first save. A resume has one; its next is checked at the save."""
+    out = cfg["out_dir"]
+    if not cfg["ckpt_every"] or cfg["resume"]:
+        return
+    where = os.path.abspath(out)
+    while not os.path.isdir(where):  # the run folder may not exist yet: its disk is its parent's
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if cfg["overwrite"]:  # the old checkpoints go first
+        free += sum(folder_bytes(d) for d in checkpoint_dirs(out))
+    if need > free:
+        raise SystemExit(f"no space on the device of {out} for the run's first checkpoint: it needs "
+                         f"{need / 1e9:.2f} GB (model exports and training state), {free / 1e9:.2f} GB "
+                         f"are free; free space, give another --out_dir, or --ckpt_every 0 (no checkpoints)")
 
 
 def peer_gone(error):

@@ -347,13 +347,19 @@ def format_table(res, title):
 # a run's plan: train.py's --dry_run, and the refusal of a GPU run that cannot fit
 
 
+def largest_base(cfg):
+    """train.py's policies and the config of their largest base (plans put every policy at that size)."""
+    import policies as P
+    pols, _ = P.resolve(cfg)
+    return pols, max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
+
+
 def plan_for(cfg, world, gpu_gb):
     """The plan of train.py's configuration, for the largest base with every policy at that size (an upper bound
     when bases differ per role)."""
     import policies as P
     from engines import vllm_batched_tokens
-    pols, _ = P.resolve(cfg)
-    mc = max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
+    pols, mc = largest_base(cfg)
     lora = cfg["policies"] == "lora"
     return plan(
         mc,
@@ -376,6 +382,15 @@ def plan_for(cfg, world, gpu_gb):
         engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),
         export_bytes=4 if P.is_tiny(cfg) else 2,
     )  # train.save: bf16 exports for real models
+
+
+def first_checkpoint_bytes(cfg):
+    """Disk of train.py's first checkpoint (checkpoint_bytes; as plan_for, an upper bound when bases
+    differ per role)."""
+    import policies as P
+    pols, mc = largest_base(cfg)
+    lora_rank = cfg["lora_rank"] if cfg["policies"] == "lora" else 0
+    return checkpoint_bytes(mc, len(pols), lora_rank, export_bytes=4 if P.is_tiny(cfg) else 2)
 
 
 def print_plan(cfg):

@@ -5405,6 +5405,35 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         assert "Traceback" not in r.stdout + r.stderr and "Invalid process group" not in r.stdout + r.stderr
 
 
+def test_a_disk_too_small_for_the_first_checkpoint_stops_before_anything_loads(tmp_path, monkeypatch):
+    """A fresh run whose --out_dir cannot hold its first checkpoint (memory.first_checkpoint_bytes: the memory plan's
+    disk per checkpoint, itself checked against written checkpoints) stops in one line before the base is built or
+    the run folder made; before, only the later checkpoints were checked ahead (against the newest), and a run found
+    a full disk at its first save, after its warm-up and first steps. No checkpoints, a resume (its next save is
+    checked then), or --overwrite's old checkpoints freeing the room: not held."""
+    import shutil
+    import memory
+    import train as T
+    run = tmp_path / "run"
+    args = SMOKE + ["--engine", "scripted", "--ckpt_every", "1", "--out_dir", str(run)]
+    need = memory.first_checkpoint_bytes(T.configure(args))
+    assert need == pytest.approx(memory.plan_for(T.configure(args + ["--dry_run", "true"]), 1, 80)["disk_gb"] * 1e9)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "bases"))
+    with pytest.raises(SystemExit, match=r"^no space on the device of .*run for the run's first checkpoint: it needs "
+                                          r"0\.\d\d GB .*free space, give another --out_dir, or --ckpt_every 0"):
+        T.main(args)
+    assert not (tmp_path / "bases").exists() and not run.exists()
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "old.bin").write_bytes(b"x" * 64)
+    cfg = T.configure(args)  # (--ckpt_every 1, a fresh run)
+    for change in ({"ckpt_every": 0}, {"resume": True}, {"overwrite": True}):  # --overwrite: 64 old bytes free
+        C.refuse_if_no_room_to_start({**cfg, **change}, need + 63)
+    with pytest.raises(SystemExit, match="first checkpoint"):
+        C.refuse_if_no_room_to_start(cfg, need + 63)
+
+
 # loaded by every process of a torchrun whose PYTHONPATH names its folder: rank FULL_RANK's disk is full from its
 # FULL_AT-th checkpoint on (its writes into ckpt.tmp fail with ENOSPC: DCP's shards through open, the HF export
 # through safetensors)

@@ -492,6 +492,7 @@ def main(argv):
         raise SystemExit(memory.print_plan(cfg))
     memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
     C.check_run_folder(cfg)  # never replace a run unasked; a resume continues it as saved
+    C.refuse_if_no_room_to_start(cfg, memory.first_checkpoint_bytes(cfg))
     rank, world = C.setup_dist(cfg["nccl_timeout_min"])
     master = rank == 0
     if master:
