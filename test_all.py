@@ -32,6 +32,7 @@ Worked examples of the method, to read beside docs/method.md: test_group_keys_an
 the loss), test_tree_invariants_sequential (a recorded tree replayed from its samples),
 test_scripted_math_rollout_rewards_by_hand (a parallel stage scored by hand).
 """
+import atexit
 import collections
 import copy
 import functools
@@ -42,6 +43,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,8 +73,11 @@ elif "OMP_NUM_THREADS" not in os.environ:  # set it to run the suite on other th
 # fixtures: one tiny model folder and one vLLM engine for the session (vLLM takes ~25 s to start on CPU)
 
 
-# the tiny bases of runs that no test points elsewhere: never the user's ~/.cache
-os.environ.setdefault(tiny.CACHE_ENV, tempfile.mkdtemp(prefix="at-grpo-mini-test-cache-"))
+# the tiny bases of runs that no test points elsewhere: never the user's ~/.cache, and gone at exit (every
+# process that imports this file made one, and left it in /tmp)
+_TEST_CACHE = tempfile.mkdtemp(prefix="at-grpo-mini-test-cache-")
+atexit.register(shutil.rmtree, _TEST_CACHE, True)
+os.environ.setdefault(tiny.CACHE_ENV, _TEST_CACHE)
 
 
 @pytest.fixture(autouse=True)
