@@ -5596,6 +5596,15 @@ FAST = [PY, "train.py", "--engine", "scripted", "--warmup_steps", "0", "--dynami
         "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_n", "4"]
 
 
+def test_the_suite_leaves_no_folder_in_tmp(tmp_path):
+    """A process that imports this file makes the tiny-base cache of the runs no test points elsewhere, and removes
+    it at exit (every pytest worker and subprocess left one in /tmp: 222 of them on this machine)."""
+    r = subprocess.run([PY, "-c", "import test_all"], cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("at-grpo-mini-test-cache-")]
+
+
 @pytest.mark.slow(22)
 def test_run_folder_is_never_replaced_unasked(tmp_path):
     """a second `python train.py` into a folder that holds a run stops with one line naming
