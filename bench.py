@@ -10,6 +10,7 @@ one).
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
     python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
     python bench.py share      # a busy machine: warm-up and default steps alone and beside busy processes
+    python bench.py step       # where the CPU default's step goes, vLLM vs the torch sampler, against matmul peak
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
 import functools
@@ -524,12 +525,104 @@ SHARE_SETTINGS = {  # name: (environment, torch threads). libgomp spins GOMP_SPI
 BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
 
 
+def default_steps(engine, repeats):
+    """The CPU default's steps on `engine` from its cached base (the first, which warms the engine's shapes, not
+    counted): each step's collect (generation, the env, the refill), update and weight-sync seconds, and what
+    they handled: samples and response tokens generated, distinct prompts' tokens (the K siblings of a tree node
+    share one prompt, prefilled once by both engines), tokens trained."""
+    import grpo_mas as G
+    import train as T
+    from policies import make_engine
+    from rollout import Agents
+    from transformers import AutoTokenizer
+    cfg = T.configure([])
+    base = tiny.base_path(cfg)  # built by the parent, alone
+    tok = AutoTokenizer.from_pretrained(base)
+    eng = make_engine(engine, base, seed=0, max_len=cfg["max_model_len"])
+    agents = Agents(tok, [eng], {"tool": 0, "plan": 0}, cfg["max_prompt_tokens"])
+    tasks, _ = T.load_tasks(cfg)
+    m = M.load_model(base)
+    opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
+    keys = ("collect", "update", "sync", "step", "rollouts", "generated", "response_tokens", "prompt_tokens",
+            "trained_tokens")
+    parts = {k: [] for k in keys}
+    for step in range(repeats + 1):
+        t0 = time.perf_counter()
+        batch = T.collect(cfg, step, 0, agents, tasks, cfg["envs_per_step"])
+        t1 = time.perf_counter()
+        samples = G.advantages([x for x in batch.samples if x.response_ids], G.Scheme.of(cfg), step)[0]
+        stats = T.update_policy(m, opt, samples, cfg, 1, torch.device("cpu"))
+        t2 = time.perf_counter()
+        eng.sync(m)
+        t3 = time.perf_counter()
+        if step:
+            gen = batch.generated
+            prompts = {tuple(x.prompt_ids) for x in gen}
+            for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, batch.rollouts, len(gen),
+                                   sum(len(x.response_ids) for x in gen), sum(map(len, prompts)),
+                                   stats.trained_tokens)):
+                parts[k].append(v)
+    return parts
+
+
+def step_child(engine, threads_n, repeats):
+    """In a child process: default_steps' lists on `engine` (printed as one JSON line)."""
+    torch.set_num_threads(threads_n)
+    print("STEP " + json.dumps(default_steps(engine, repeats)), flush=True)
+
+
+def matmul_gflops(n=1024, repeats=20):
+    """This machine's float32 matmul rate on torch's threads: the median of n x n x n products."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    return 2 * n ** 3 / timeit(lambda: a @ b, repeats) / 1e9
+
+
+def bench_step(engines=("vllm", "torch"), repeats=8):
+    """Where a CPU default step's seconds go, on each engine (each in a fresh process, the machine's threads, the
+    same cached base and step seeds): medians over the steps of the parts and their rates, the update's FLOP/s and
+    the sampler's model FLOP/s (2 x params x each distinct prompt's tokens once and every response token) against
+    this machine's float32 matmul peak measured here."""
+    import train as T
+    cfg = T.configure([])
+    base = tiny.base_path(cfg)
+    tiny.build_base(base, cfg)  # alone, once (cached)
+    mcfg = M.load_model(base).config
+    peak = matmul_gflops()
+    threads_n = torch.get_num_threads()
+    rows = {}
+    for engine in engines:
+        argv = [sys.executable, __file__, "step_child", engine, str(threads_n), str(repeats)]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        line = [x for x in r.stdout.splitlines() if x.startswith("STEP ")]
+        if not line:
+            raise SystemExit(f"step_child {engine} failed: {r.stderr[-2000:]}")
+        p = json.loads(line[0][5:])
+        med = {k: statistics.median(v) for k, v in p.items()}
+        per_token = flops_per_token(mcfg, 64)  # the default's rows are short: attention is a rounding error
+        gen_flops = [2 * per_token / 6 * (a + b) / c for a, b, c in
+                     zip(p["prompt_tokens"], p["response_tokens"], p["collect"])]
+        upd_flops = [per_token * a / b for a, b in zip(p["trained_tokens"], p["update"])]
+        rows[engine] = dict(**med, samples_per_s=statistics.median(a / b for a, b in zip(p["generated"], p["collect"])),
+                            gen_gflops=statistics.median(gen_flops) / 1e9,
+                            update_gflops=statistics.median(upd_flops) / 1e9)
+        rows[engine]["gen_of_peak"] = rows[engine]["gen_gflops"] / peak
+        rows[engine]["update_of_peak"] = rows[engine]["update_gflops"] / peak
+        print(json.dumps({engine: rows[engine]}), flush=True)
+    ref = rows[engines[0]]
+    for engine in engines[1:]:
+        rows[engine]["step_over_" + engines[0]] = rows[engine]["step"] / ref["step"]
+        rows[engine]["samples_per_s_over_" + engines[0]] = rows[engine]["samples_per_s"] / ref["samples_per_s"]
+    print(json.dumps({"bench": f"the CPU default's step by parts, {repeats} steps per engine after one warm-up step, "
+                      f"{threads_n} threads, medians; float32 matmul peak {peak:.1f} GFLOP/s (1024^3)",
+                      "rows": rows}))
+
+
 def share_child(kind, threads_n, repeats):
     """In a child process: the median seconds of `kind`'s parts (printed as one JSON line). warmup: the tiny base's
     format warm-up step (32 compact Plan-Path pairs). step: the CPU default's step on the vLLM engine: collect
     (generation, the env, the refill), the update, the weight sync."""
     import random
-    import grpo_mas as G
     import train as T
     from rollout import Agents
     from transformers import AutoTokenizer
@@ -547,26 +640,7 @@ def share_child(kind, threads_n, repeats):
         tiny.sft_step(m, opt, batches[0])  # the first step allocates
         parts["warmup_step"] = [timeit(lambda b=b: tiny.sft_step(m, opt, b), 1) for b in batches[1:]]
     else:
-        from policies import make_engine
-        eng = make_engine("vllm", base, seed=0, max_len=cfg["max_model_len"])
-        agents = Agents(tok, [eng], {"tool": 0, "plan": 0}, cfg["max_prompt_tokens"])
-        tasks, _ = T.load_tasks(cfg)
-        m = M.load_model(base)
-        opt = torch.optim.AdamW(m.parameters(), lr=cfg["lr"])
-        parts = {"collect": [], "update": [], "sync": []}
-        for step in range(repeats + 1):
-            t0 = time.perf_counter()
-            batch = T.collect(cfg, step, 0, agents, tasks, cfg["envs_per_step"])
-            t1 = time.perf_counter()
-            samples = G.advantages([x for x in batch.samples if x.response_ids], G.Scheme.of(cfg), step)[0]
-            T.update_policy(m, opt, samples, cfg, 1, torch.device("cpu"))
-            t2 = time.perf_counter()
-            eng.sync(m)
-            t3 = time.perf_counter()
-            if step:  # the first step warms the engine's shapes
-                for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
-                    parts[k].append(v)
-        parts["step"] = [a + b + c for a, b, c in zip(*parts.values())]
+        parts = {k: v for k, v in default_steps("vllm", repeats).items() if k in ("collect", "update", "sync", "step")}
     print("SHARE " + json.dumps({k: statistics.median(v) for k, v in parts.items()}), flush=True)
 
 
@@ -616,11 +690,14 @@ if __name__ == "__main__":
         bench_env_one(sys.argv[2])
     elif which == "share_child":
         share_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif which == "step_child":
+        step_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif which == "gpu" and len(sys.argv) > 2:
         bench_gpu(sys.argv[2])
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
-                   "train": bench_train, "refill": bench_refill, "share": bench_share, "gpu": bench_gpu}
+                   "train": bench_train, "refill": bench_refill, "share": bench_share, "step": bench_step,
+                   "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

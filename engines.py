@@ -211,21 +211,25 @@ class TorchEngine(Engine):
         self._check(prompts, max_new_tokens)
         if seed is not None:
             self.gen.manual_seed(_request_seed(seed, 0))
-        rows = [p for p in prompts for _ in range(n)]
-        B, P, dev = len(rows), max(len(p) for p in rows), self.device
+        # prefill each prompt once, then give its n samples copies of its cache (vLLM's prefix cache does
+        # the same): the tree's K siblings share one prompt, and prompts are most of the tokens
+        B0, B, P, dev = len(prompts), len(prompts) * n, max(len(p) for p in prompts), self.device
         L = P + max_new_tokens
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-        for i, p in enumerate(rows):  # left padding: every row's next token lands in the same column
+        ids = torch.zeros(B0, P, dtype=torch.long, device=dev)
+        valid = torch.zeros(B0, L, dtype=torch.bool, device=dev)
+        for i, p in enumerate(prompts):  # left padding: every row's next token lands in the same column
             ids[i, P - len(p):] = torch.tensor(p, device=dev)
             valid[i, P - len(p):] = True
         pos = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
         mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
-        cache = self.model.new_cache(B, L)
+        cache = self.model.new_cache(B0, L)
         h = self.model.hidden(ids, position_ids=pos, mask=mask, cache=cache, start=0)
         logits = self.model.lm_head(h[:, -1])  # never the [B, P, vocab] prefill logits
+        # row i * n + j is prompt i's sample j
+        cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
+        logits, valid, pos = (x.repeat_interleave(n, 0) for x in (logits, valid, pos))
         out_ids, out_lps = torch.zeros(B, max_new_tokens, dtype=torch.long), torch.zeros(B, max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), max_new_tokens)

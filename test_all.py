@@ -347,6 +347,27 @@ def test_torch_sampler_statistics(tiny_dir, cpu_machine):
 
 
 @exact
+def test_torch_sampler_prefills_each_prompt_once(tiny_dir):
+    # n samples of a prompt share its prefill (as vLLM's prefix cache does): the prefill's rows are the prompts, not
+    # prompts x n, and each sample still continues its own prompt (the trainer's log-probs: the test above)
+    from policies import make_engine
+    te = make_engine("torch", tiny_dir, seed=1, max_len=1024)
+    rows = []
+    te.model.model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(tuple(args[0].shape)))
+    prompts = _prompts()[:3]
+    out = te.generate(prompts, n=4, temperature=1.0, max_new_tokens=6)
+    assert rows[0] == (3, max(len(p) for p in prompts))  # the prefill: one row per prompt
+    assert all(r == (12, 1) for r in rows[1:])  # then one token for each of the 3 x 4 samples
+    assert [len(o) for o in out] == [4, 4, 4]
+    m = M.load_model(tiny_dir)
+    for p, o in zip(prompts, out):
+        for c in o:
+            ids = torch.tensor([p + c.ids])
+            lp = M.token_logprobs(m, ids[:, :-1], ids[:, 1:])[0, len(p) - 1:]
+            assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-4  # its own prompt's cache
+
+
+@exact
 @one_vllm
 def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     trainer = M.load_model(tiny_dir)
