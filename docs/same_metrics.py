@@ -25,6 +25,8 @@ CONFIGS = {  # name: extra flags of `python train.py --steps N --stop_step N --t
     "search": ["--task", "search"],
     "sokoban": ["--task", "sokoban"],
     "unpacked": ["--pack", "false"],  # Plan-Path in the layout before 2026-11-28 (--steps is set for every config)
+    "torch": ["--engine", "torch"],  # the tiny presets' sampler since 2026-11-29 (before: vLLM)
+    "vllm": ["--engine", "vllm"],  # the engine of the tiny default before 2026-11-29
 }
 TIMING = ("time", "eta")  # fields that are wall-clock; every t_* and mem_* field is one too
 
