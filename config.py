@@ -14,7 +14,8 @@ import importlib.util
 import math
 import os
 import re
-from dataclasses import replace
+import json
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,9 +23,9 @@ import common as C
 import envs as E
 import grpo_mas as G
 import model as M
-import policies as P
 import retrieval
 import tiny
+from rollout import Sampling
 
 # -----------------------------------------------------------------------------
 # flags over the preset over the recipe
@@ -35,9 +36,9 @@ def configure(argv, flags, presets, choices, source):
     the recipe (train.py's globals), `presets`: train.PRESETS, `source`: the script whose config
     block --help prints."""
     cfg = dict(flags)
-    given = parse_flags(argv, cfg, choices, per_role=P.CASTS_OF_FLAG, repeatable=("policy",),
+    given = parse_flags(argv, cfg, choices, per_role=CASTS_OF_FLAG, repeatable=("policy",),
                           help_text=help_text(source, flags, presets))
-    apply_preset(cfg, given, presets, P.is_tiny(cfg), flags)
+    apply_preset(cfg, given, presets, tiny.is_tiny(cfg), flags)
     # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
     # std); asked for by flag, they are checked (check_method)
     for k, v in G.ALGOS[cfg["algo"]].fixed.items():
@@ -51,7 +52,7 @@ def configure(argv, flags, presets, choices, source):
     if cfg["pack"] and "split" not in given:
         cfg["split"] = "groups"
     check(cfg, given)
-    context = min(P.model_config(cfg, p.base).max_position_embeddings for p in P.resolve(cfg)[0])
+    context = min(model_config(cfg, p.base).max_position_embeddings for p in resolve(cfg)[0])
     fit_sampling(cfg, "", context)
     return cfg
 
@@ -66,7 +67,7 @@ def apply_preset(cfg, given, presets, tiny, recipe):
         if k not in given and k in cfg:
             cfg[k] = v
     # a per-role flag's value for the roles it does not name: the preset's
-    cfg["role_defaults"] = {k: overrides.get(k, recipe[k]) for k in P.PER_ROLE_FLAGS}
+    cfg["role_defaults"] = {k: overrides.get(k, recipe[k]) for k in PER_ROLE_FLAGS}
 
 
 def default_preset(task, tiny, presets):
@@ -80,7 +81,7 @@ def fit_sampling(cfg, prefix, context):
     """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
     response budget and the engine's context fitted to the model's context (fit_context);
     the flag max_new_tokens becomes the largest role's budget (the memory plan's)."""
-    sampling = P.role_sampling(cfg, prefix)
+    sampling = role_sampling(cfg, prefix)
     longest = max(s.max_new_tokens for s in sampling.values())
     cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = fit_context(
         cfg["max_model_len"], cfg["max_prompt_tokens"], longest, context)
@@ -225,6 +226,184 @@ def fit_context(max_len, prompt, new, context):
 
 
 # -----------------------------------------------------------------------------
+# roles and policies: who plays what, with which settings. One table decides the role -> policy map
+# (`resolve`); policies.py builds each policy's model, optimizer and engine from it:
+#
+#     --policies   roles that share one policy                  engines
+#     shared       every role with the same base (the default)  one per distinct base
+#     per_role     none: one policy per role                    one, the policies take turns in it
+#     per_type     a team's reasoners / tool agents / judge     one
+#     lora         none: one adapter per role on one frozen base   one, each adapter merged in
+#     --policy ROLE=PATH gives a role its own base model (different bases: one engine per base)
+
+# the training settings a role (its policy) may set on its own
+PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")
+# how a role samples (a role, not a policy: one policy may play two roles at two temperatures); the
+# eval_ ones are evaluation's
+SAMPLING = ("temperature", "top_p", "max_new_tokens", "thinking")
+PER_ROLE_FLAGS = PER_ROLE + SAMPLING + tuple("eval_" + k for k in SAMPLING)
+
+
+def as_bool(text):
+    if str(text).lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"{text!r} is not true or false")
+    return str(text).lower() in ("1", "true", "yes")
+
+
+CASTS = {"lr": float, "micro_batch_tokens": int, "minibatches": int, "temperature": float, "top_p": float,
+         "max_new_tokens": int, "thinking": as_bool}
+as_bool.__name__ = "bool"
+# each per-role flag's type: ROLE=VALUE,... is read into {role: value} (config.parse_flags)
+CASTS_OF_FLAG = {k: CASTS[k.removeprefix("eval_")] for k in PER_ROLE_FLAGS}
+
+
+@dataclass
+class Policy:
+    """One trained policy: the roles it plays, the base it starts from and its own training settings
+    (Dr. MAS sets lr and micro-batch per agent). Checkpoints: ckpt/policy-{name} (HF),
+    ckpt/train-{name} (DCP), and with LoRA ckpt/adapter-{name} (PEFT)."""
+    name: str                # its roles joined by "+", e.g. "tool+plan" for the shared policy of Plan-Path
+    roles: tuple
+    base: str                # a HF folder, or a tiny size (tiny.TINY_SIZES) for the embedded default
+    adapter: str             # --policies lora: this policy's adapter on the one shared base; "" = a full model
+    lr: float
+    micro_batch_tokens: int
+    minibatches: int
+
+
+def parse_team(cfg):
+    try:
+        return E.parse_team(cfg["team"], cfg["task"], cfg["workflow"], cfg["team_mode"])
+    except ValueError as e:
+        raise SystemExit(str(e))
+
+
+def task_roles(cfg):
+    team = parse_team(cfg)
+    if team:
+        return E.team_roles(*team[:2])
+    return E.task_roles(cfg["task"], cfg["workflow"])
+
+
+def per_role(cfg, key, roles, default):
+    """--lr 1e-6 (every role) or --lr tool=1e-6,plan=2e-6, read as {role: value} (the roles it does
+    not name keep `default`) -> {role: value} for every role."""
+    v = cfg[key]
+    if not isinstance(v, dict):
+        return {r: v for r in roles}
+    for r in v:
+        if r not in roles:
+            raise SystemExit(f"--{key} {format_per_role(v)}: task {cfg['task']!r} ({cfg['workflow']}) has "
+                             f"no role {r!r}; its roles are {', '.join(roles)}")
+    return {r: v.get(r, default) for r in roles}
+
+
+def format_per_role(values):
+    """{role: value} as the flag was written: tool=1e-06,plan=2e-06."""
+    return ",".join(f"{r}={x}" for r, x in values.items())
+
+
+def resolve(cfg):
+    """The role -> policy map and each policy's settings, from --policies, --policy ROLE=PATH and
+    the per-role flags (cfg["role_defaults"]: the value of a per-role flag for the roles it does not
+    name). Every role/policy misuse fails here, before anything loads. Returns ([Policy], {role:
+    policy index})."""
+    roles = task_roles(cfg)
+    base = {r: cfg["model"] or "tiny" for r in roles}
+    named = set()
+    for sp in filter(None, cfg["policy"].split(",")):
+        r, eq, path = sp.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
+        if r in named:
+            raise SystemExit(f"--policy names role {r!r} twice ({cfg['policy']}): give each role one base")
+        named.add(r)
+        if r not in roles:
+            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
+                             f"its roles are {', '.join(roles)}")
+        if path not in tiny.TINY_SIZES and not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), "
+                             f"nor one of {', '.join(tiny.TINY_SIZES)}")
+        base[r] = path
+    tiny_bases = [b in tiny.TINY_SIZES for b in base.values()]
+    if not cfg["model"] and any(tiny_bases) and not all(tiny_bases):
+        raise SystemExit("--policy mixes tiny sizes with model folders: give every role a folder (or --model "
+                         "for the rest)")
+    settings = {k: per_role(cfg, k, roles, cfg["role_defaults"][k]) for k in PER_ROLE}
+    for r in roles:
+        lr = settings["lr"][r]
+        if not (math.isfinite(lr) and lr > 0):  # inf trains NaN weights, nan fails in torch's optimizer
+            raise SystemExit(f"--lr {lr} (role {r}): a learning rate is a finite number above 0, e.g. 1e-6 "
+                             "(the paper's) or 5e-4 (the tiny default's)")
+        for k in ("minibatches", "micro_batch_tokens"):
+            if settings[k][r] < 1:
+                raise SystemExit(f"--{k} {settings[k][r]} (role {r}): at least 1")
+    if cfg["policies"] == "lora":
+        if cfg["lora_rank"] <= 0:
+            raise SystemExit(f"--lora_rank must be >= 1, not {cfg['lora_rank']}")
+        if len(set(base.values())) > 1:
+            raise SystemExit("--policies lora puts every role's adapter on one base: drop --policy ROLE=PATH, or use "
+                             "--policies shared|per_role for different bases per role")
+    groups = {}  # the grouping key of the table above -> roles
+    for r in roles:
+        key = {"per_role": r, "lora": r, "per_type": (E.role_type(r), base[r])}.get(cfg["policies"], base[r])
+        groups.setdefault(key, []).append(r)
+    pols = []
+    for rs in groups.values():
+        vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}
+        for k, v in vals.items():
+            if len(v) > 1:
+                raise SystemExit(f"roles {', '.join(rs)} share one policy but --{k} gives them {sorted(v)}: "
+                                 "give them one value, or --policies per_role")
+        name = "+".join(rs)
+        pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
+                           **{k: vals[k].pop() for k in PER_ROLE}))
+    return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
+
+
+def settings(cfg, policy):
+    """The run's configuration as this policy trains: its own lr, micro_batch_tokens and
+    minibatches."""
+    return {**cfg, **{k: getattr(policy, k) for k in PER_ROLE}}
+
+
+def flag_values(cfg, name):
+    """Every value a flag holds: one, or one per role it names (ROLE=VALUE,...), for bounds checks
+    before the roles are known to be right."""
+    value = cfg[name]
+    return list(value.values()) if isinstance(value, dict) else [value]
+
+
+def role_sampling(cfg, prefix=""):
+    """{role: Sampling} for the task's roles from the sampling flags (prefix "eval_": evaluation's),
+    each one value for every role or ROLE=VALUE,... (the roles it does not name: the preset's)."""
+    roles = task_roles(cfg)
+    values = {k: per_role(cfg, prefix + k, roles, cfg["role_defaults"][prefix + k]) for k in SAMPLING}
+    return {r: Sampling(**{k: values[k][r] for k in SAMPLING}) for r in roles}
+
+
+def optimizer_steps_line(cfg):
+    """What --mini_batch_rows / --minibatches imply: optimizer steps per training step, at most
+    (every env playing all its turns)."""
+    if not cfg["mini_batch_rows"]:
+        return f"optimizer steps per training step: {cfg['minibatches']} per policy (--minibatches)"
+    calls = cfg["envs_per_step"] * cfg["K"] * cfg["turns"] * len(task_roles(cfg))
+    return (f"optimizer steps per training step: one per {cfg['mini_batch_rows']} samples (--mini_batch_rows), up to "
+            f"{math.ceil(calls / cfg['mini_batch_rows'])} for {calls} samples (E {cfg['envs_per_step']} x "
+            f"K {cfg['K']} x T {cfg['turns']} x {len(task_roles(cfg))} agents), split over the policies")
+
+
+def model_config(cfg, base=None):
+    """The Qwen3 config of a base: a HF folder's config.json, or a named size (M.SIZES) for
+    --dry_run."""
+    base = base or cfg["model"] or "tiny"
+    if base in M.SIZES and not os.path.exists(base):
+        return M.Qwen3Config(**M.SIZES[base])
+    with open(os.path.join(base, "config.json")) as f:
+        return M.Qwen3Config.from_hf(json.load(f))
+
+
+# -----------------------------------------------------------------------------
 # the checks: every misuse that can be named before anything loads, each with the flag to change
 
 # The bounds of the numeric flags: (flag, holds, what to use instead). A value outside them makes
@@ -293,7 +472,7 @@ def check(cfg, given):
         if isinstance(value, float) and not math.isfinite(value):
             raise SystemExit(f"--{name} {value}: use a finite number")
     for name, holds, instead in BOUNDS:
-        for value in P.flag_values(cfg, name):
+        for value in flag_values(cfg, name):
             if not holds(value):
                 raise SystemExit(f"--{name} {value}: use {instead}")
     check_task(cfg)
@@ -306,7 +485,7 @@ def check(cfg, given):
 
 def check_cache(cfg):
     """The tiny bases' folder (tiny.cache_dir) is a folder this user can write, or can be made in one."""
-    if not P.is_tiny(cfg):
+    if not tiny.is_tiny(cfg):
         return
     path = tiny.cache_dir()
     where = existing_parent(os.path.abspath(path))
@@ -322,7 +501,7 @@ def check_task(cfg):
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
         raise SystemExit(str(e))
-    roles = P.task_roles(cfg)
+    roles = task_roles(cfg)
     unknown = [r for r in cfg["train_roles"].split(",") if r and r not in roles]
     if unknown:
         raise SystemExit(f"--train_roles {cfg['train_roles']}: task {cfg['task']!r} has no role "
@@ -333,8 +512,8 @@ def check_task(cfg):
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
         raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
                          f"{cfg['task']!r}'s: drop it")
-    tiny_run = P.is_tiny(cfg)
-    budget = min(P.flag_values(cfg, "max_new_tokens"))
+    tiny_run = tiny.is_tiny(cfg)
+    budget = min(flag_values(cfg, "max_new_tokens"))
     if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:
         raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, --max_new_tokens - 1 = "
                          f"{budget - 1}]: a warm-up answer and its end of turn must fit the "
@@ -392,7 +571,7 @@ def check_method(cfg, given):
     if cfg["pack"] and cfg["split"] != "groups":
         raise SystemExit("--pack true trains each sibling group as one row, so a group must stay in one "
                          "mini-batch: use --split groups")
-    if P.flag_values(cfg, "top_p") != [1.0]:  # vLLM's processed log-probs: renormalised over the nucleus
+    if flag_values(cfg, "top_p") != [1.0]:  # vLLM's processed log-probs: renormalised over the nucleus
         raise SystemExit("--top_p must be 1.0 for training: the sampler's log-probs must be the "
                          "trainer's full softmax")
 
@@ -426,10 +605,10 @@ def check_search(cfg):
 
 
 def check_model(cfg):
-    """The models, policies and devices: every role and policy misuse (policies.resolve), a model
+    """The models, policies and devices: every role and policy misuse (resolve), a model
     folder that is not one, GPUs torch cannot see."""
-    pols, _ = P.resolve(cfg)
-    tiny_run = P.is_tiny(cfg)
+    pols, _ = resolve(cfg)
+    tiny_run = tiny.is_tiny(cfg)
     if torch.cuda.is_available() and cfg["engine"] == "vllm" and len({p.base for p in pols}) > 1:
         raise SystemExit("different base models per role need one vLLM engine each, and vLLM 0.32 "
                          "allows one sleep-mode engine per process (one CuMem allocator): give every "

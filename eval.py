@@ -57,7 +57,7 @@ def configure(argv):
     every check that can run before a model loads."""
     cfg = dict(FLAGS)
     choices = {k: v for k, v in T.CHOICES.items() if k in cfg}
-    per_role = {k: cast for k, cast in P.CASTS_OF_FLAG.items() if k in cfg}
+    per_role = {k: cast for k, cast in config.CASTS_OF_FLAG.items() if k in cfg}
     given = config.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
                           help_text=help_text())
     if not cfg["task"]:
@@ -68,7 +68,7 @@ def configure(argv):
     except ValueError as e:
         raise SystemExit(str(e))
     config.check_search({**cfg, "search_train": ""})  # every row of --search_test, before a model loads
-    roles = P.task_roles(cfg)
+    roles = config.task_roles(cfg)
     paths = role_models(cfg, roles)
     for f in filter(None, cfg["files"].split(",")):  # your own, or a shipped one under data/
         if not os.path.isfile(f) and not os.path.isfile(os.path.join(E.DATA, f)):
@@ -77,15 +77,15 @@ def configure(argv):
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
     config.apply_preset(cfg, given, T.PRESETS, tiny, T.FLAGS)
-    longest = max(P.flag_values(cfg, "eval_max_new_tokens"))
+    longest = max(config.flag_values(cfg, "eval_max_new_tokens"))
     if "max_model_len" not in given:  # room for a whole prompt and a whole answer
         cfg["max_model_len"] = max(cfg["max_model_len"], cfg["max_prompt_tokens"] + longest)
     for name in ("eval_k", "eval_turns", "eval_max_new_tokens", "eval_n", "max_prompt_tokens"):
-        if min(P.flag_values(cfg, name)) < 1:
+        if min(config.flag_values(cfg, name)) < 1:
             raise SystemExit(f"--{name} {cfg[name]}: use at least 1")
     if cfg["limit"] < 0:
         raise SystemExit(f"--limit {cfg['limit']}: use 0 (every instance) or a number of instances")
-    temperatures = P.flag_values(cfg, "eval_temperature")
+    temperatures = config.flag_values(cfg, "eval_temperature")
     if cfg["eval_k"] > 1 and 0.0 in temperatures:
         raise SystemExit(f"--eval_k {cfg['eval_k']} with greedy decoding gives identical samples: set "
                          "--eval_temperature (math's protocol: 0.6)")
@@ -155,7 +155,7 @@ def main(argv):
         files = [cfg["search_test"]]
     search = retrieval.settings(cfg)
     test_envs = E.test_set(task, n=cfg["eval_n"], compact=cfg["compact"], workflow=workflow, files=files,
-                           limit=cfg["limit"] or None, team=P.parse_team(cfg), turns=cfg["eval_turns"],
+                           limit=cfg["limit"] or None, team=config.parse_team(cfg), turns=cfg["eval_turns"],
                            search=search)
 
     from transformers import AutoTokenizer

@@ -349,15 +349,16 @@ def format_table(res, title):
 
 def largest_base(cfg):
     """train.py's policies and the config of their largest base (plans put every policy at that size)."""
-    import policies as P
-    pols, _ = P.resolve(cfg)
-    return pols, max((P.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
+    import config
+    pols, _ = config.resolve(cfg)
+    return pols, max((config.model_config(cfg, p.base) for p in pols), key=lambda c: counts(c).total)
 
 
 def plan_for(cfg, world, gpu_gb):
     """The plan of train.py's configuration, for the largest base with every policy at that size (an upper bound
     when bases differ per role)."""
     import policies as P
+    import tiny
     from engines import vllm_batched_tokens
     pols, mc = largest_base(cfg)
     lora = cfg["policies"] == "lora"
@@ -380,17 +381,17 @@ def plan_for(cfg, world, gpu_gb):
         lora_rank=cfg["lora_rank"] if lora else 0,
         engine_seqs=P.engine_seqs(cfg, world),
         engine_tokens=vllm_batched_tokens(cfg["max_model_len"]),
-        export_bytes=4 if P.is_tiny(cfg) else 2,
+        export_bytes=4 if tiny.is_tiny(cfg) else 2,
     )  # train.save: bf16 exports for real models
 
 
 def first_checkpoint_bytes(cfg):
     """Disk of train.py's first checkpoint (checkpoint_bytes; as plan_for, an upper bound when bases
     differ per role)."""
-    import policies as P
+    import tiny
     pols, mc = largest_base(cfg)
     lora_rank = cfg["lora_rank"] if cfg["policies"] == "lora" else 0
-    return checkpoint_bytes(mc, len(pols), lora_rank, export_bytes=4 if P.is_tiny(cfg) else 2)
+    return checkpoint_bytes(mc, len(pols), lora_rank, export_bytes=4 if tiny.is_tiny(cfg) else 2)
 
 
 def print_plan(cfg):

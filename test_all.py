@@ -563,8 +563,8 @@ def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
     from policies import PolicySwitch
     m = _lora_model(tiny_dir, r=8, alpha=64.0)
     pols = [
-        P.Policy("tool", ("tool",), tiny_dir, "tool", 1e-3, 100, 1),
-        P.Policy("plan", ("plan",), tiny_dir, "plan", 1e-3, 100, 1),
+        config.Policy("tool", ("tool",), tiny_dir, "tool", 1e-3, 100, 1),
+        config.Policy("plan", ("plan",), tiny_dir, "plan", 1e-3, 100, 1),
     ]
     prompts = _prompts()
     want = []
@@ -918,7 +918,7 @@ def test_paper_recipe_as_the_reference_runs_it(tiny_dir, tmp_path, monkeypatch, 
     from rollout import Agents, Sample
     paper = T.configure(["--model", tiny_dir])
     assert paper["preset"] == "paper" and paper["mini_batch_rows"] == 32 and not paper["thinking"]
-    assert "up to 96 for 3072 samples" in P.optimizer_steps_line(paper)  # 128 envs x K 4 x T 3 x 2 agents
+    assert "up to 96 for 3072 samples" in config.optimizer_steps_line(paper)  # 128 envs x K 4 x T 3 x 2 agents
     assert T.configure(["--model", tiny_dir, "--task", "math"])["preset"] == "paper-math"
     assert T.PRESETS["paper-math"]["max_new_tokens"] == 8192  # (tiny_dir's context is 2048)
     assert T.configure(["--model", tiny_dir, "--policies", "lora"])["lr"] == 1e-6  # the reference: LoRA at the actor lr
@@ -4424,7 +4424,7 @@ def test_train_smoke_every_combination(task, tmp_path):
             except SystemExit as e:
                 assert "\n" not in str(e.code).strip(), (argv, e.code)
                 continue
-            split = tuple((p.roles, bool(p.adapter)) for p in P.resolve(cfg)[0])
+            split = tuple((p.roles, bool(p.adapter)) for p in config.resolve(cfg)[0])
             if (workflow, algo, split) in seen:  # per_type giving the roles the policies another cell did
                 continue
             seen.add((workflow, algo, split))
@@ -4432,7 +4432,7 @@ def test_train_smoke_every_combination(task, tmp_path):
             ran += 1
             rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
             assert rec[-1]["step"] == 1 and rec[-1]["samples"] > 0, (workflow, policies, algo)
-            n_pol = len(P.resolve(cfg)[0])
+            n_pol = len(config.resolve(cfg)[0])
             assert all(f"grad_norm_p{p}" in rec[-1] for p in range(n_pol))
     assert ran >= 3 * len(E.TASKS[task]["workflows"]) * 3  # (today 11 or 12 of a workflow's 16)
 
@@ -4694,7 +4694,7 @@ def test_per_role_sampling_flags_resolve_per_role():
         "tool": Sampling(temperature=0.5, top_p=1.0, max_new_tokens=8, thinking=False),
         "plan": Sampling(temperature=0.5, top_p=1.0, max_new_tokens=6, thinking=True)}  # tiny-plan: 0.5 and 8
     assert cfg["max_new_tokens"] == 8  # the longest role's budget: the engine's and the memory plan's
-    assert P.role_sampling(cfg, "eval_")["plan"].temperature == 0.3
+    assert config.role_sampling(cfg, "eval_")["plan"].temperature == 0.3
     for argv, msg in [(["--temperature", "tool=0"], "--temperature 0.0: use above 0"),
                       (["--temperature", "chess=1.0"], "has no role 'chess'"),
                       (["--thinking", "tool=maybe"], "'maybe' is not a bool"),
@@ -5029,7 +5029,7 @@ def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir, cpu_machine):
     import train as T
 
     def res(*argv):
-        pols, r2p = P.resolve(T.configure(list(argv)))
+        pols, r2p = config.resolve(T.configure(list(argv)))
         return [(p.name, p.base, p.adapter, p.lr, p.micro_batch_tokens, p.minibatches) for p in pols], r2p
     lr0, mbt0, mb0 = (T.PRESETS["tiny"][k] for k in ("lr", "micro_batch_tokens", "minibatches"))
     assert res() == ([("tool+plan", "tiny", "", lr0, mbt0, mb0)], {"tool": 0, "plan": 0})

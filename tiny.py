@@ -21,10 +21,19 @@ import torch
 
 import envs as E
 import model as M
-import policies as P
 from rollout import Agents
 
 TINY_VERSION = 1  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
+
+
+# --policy ROLE=tiny-small: the embedded tiny model at that size
+TINY_SIZES = ("tiny", "tiny-small")
+
+
+def is_tiny(cfg):
+    """The embedded default: no --model and every --policy names a tiny size (a real path means a
+    real run)."""
+    return not cfg["model"] and all(sp.split("=", 1)[-1] in TINY_SIZES for sp in cfg["policy"].split(",") if sp)
 
 
 CACHE_ENV = "AT_GRPO_MINI_CACHE"  # the cache folder's override (the tests: their tmp_path)
@@ -109,7 +118,7 @@ def base_path(cfg, size="tiny"):
 def bases(cfg, pols, master, world):
     """Each policy's base as a HF folder: --model / --policy as given, or for the embedded default the
     tiny base of each size, built once by rank 0 and cached."""
-    if not P.is_tiny(cfg):
+    if not is_tiny(cfg):
         return [p.base for p in pols]
     paths = [base_path(cfg, p.base) for p in pols]
     if master:

@@ -346,7 +346,7 @@ def update_policies(cfg, pols, models, opts, refs, samples, trained, step, world
         for group in opts[p].param_groups:
             group["lr"] = pol.lr * lr_factor(cfg, step)
         its_samples = [s for s in samples if s.policy == p]
-        settings = P.settings(cfg, pol)  # its own lr, micro-batch tokens, mini-batches
+        settings = config.settings(cfg, pol)  # its own lr, micro-batch tokens, mini-batches
         updates.append(update_policy(P.use_policy(models, pols, p), opts[p], its_samples, settings,
                                      world, C.DEVICE, refs[p]))
     return updates
@@ -383,11 +383,11 @@ def load_tasks(cfg):
         rows = E.load_split(cfg["task"], "train", files)
         if not rows:
             raise SystemExit(f"task {cfg['task']!r} has no training rows: list its files in envs.TASKS")
-    compact = P.is_tiny(cfg) and spec["answer_tokens"] > 0  # the tiny model plays the compact form
+    compact = tiny.is_tiny(cfg) and spec["answer_tokens"] > 0  # the tiny model plays the compact form
     game = {}  # a game's own settings (config.check_task: only for its game)
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL:
         game["wrong_fill"] = cfg["sudoku_wrong_fill"]
-    tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, P.parse_team(cfg), cfg["turns"],
+    tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, config.parse_team(cfg), cfg["turns"],
                   retrieval.settings(cfg), game)
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
     # a run that never evaluates builds one instance: the set's check without its cost
@@ -490,7 +490,7 @@ def trained_roles(cfg, roles, step):
 def main(argv):
     cfg = configure(argv)
     if cfg["dry_run"]:
-        print(P.optimizer_steps_line(cfg))
+        print(config.optimizer_steps_line(cfg))
         raise SystemExit(memory.print_plan(cfg))
     memory.refuse_if_too_big(cfg)  # a GPU run that cannot fit stops before anything loads
     C.check_run_folder(cfg)  # never replace a run unasked; a resume continues it as saved
@@ -501,7 +501,7 @@ def main(argv):
         print_config(cfg)
 
     # --- set up: the policies (models, optimizers, engines), the agents, the data, the run folder
-    pols, role_to_policy = P.resolve(cfg)
+    pols, role_to_policy = config.resolve(cfg)
     # the data before any model: --task search asks its retriever once here, not after the warm-up
     tasks, test_envs = load_tasks(cfg)
     bases = tiny.bases(cfg, pols, master, world)  # HF folders (the tiny ones built once, cached)
@@ -520,7 +520,7 @@ def main(argv):
     agents = Agents(tokenizer, engines, role_to_policy, cfg["max_prompt_tokens"])
     scheme = G.Scheme.of(cfg)  # how --algo turns rewards into advantages
     log = C.MetricsLog(cfg, master)
-    roles = P.task_roles(cfg)
+    roles = config.task_roles(cfg)
     envs_per_rank = cfg["envs_per_step"] // world
     t_process = time.time()
     t_run = t_process - start.time_before  # the run's clock counts across resumes
@@ -597,10 +597,10 @@ def main(argv):
 def print_config(cfg):
     """The run's first lines: the preset's values, the optimizer steps, each role's sampling."""
     print(config.config_line(cfg, PRESETS), flush=True)
-    print(P.optimizer_steps_line(cfg), flush=True)
+    print(config.optimizer_steps_line(cfg), flush=True)
     print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in vars(s).items())
                                    for r, s in cfg["role_sampling"].items()), flush=True)
-    if P.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
+    if tiny.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")
 
@@ -626,7 +626,7 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
     C.refuse_if_no_space(cfg["out_dir"], step)  # on every rank, before any writes
     for engine in P.distinct_engines(engines):
         engine.sleep(level=1)
-    export_dtype = None if P.is_tiny(cfg) else torch.bfloat16
+    export_dtype = None if tiny.is_tiny(cfg) else torch.bfloat16
     try:
         C.save_checkpoint(cfg["out_dir"], step, models, opts, pols, tokenizer, rank,
                           os.path.join(cfg["out_dir"], "metrics.jsonl"), export_dtype, elapsed,

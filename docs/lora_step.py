@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import model as M  # noqa: E402
 
 import common as C  # noqa: E402
+import config  # noqa: E402
 import envs as E  # noqa: E402
 import policies as P  # noqa: E402
 import tiny  # noqa: E402
@@ -49,7 +50,7 @@ CONFIGS = [  # label: train.py flags
 
 def build(flags):
     cfg = T.configure(["--engine", "torch", "--seed", "0", "--out_dir", "runs/lora-step"] + flags)
-    pols, role_to_policy = P.resolve(cfg)
+    pols, role_to_policy = config.resolve(cfg)
     bases = tiny.bases(cfg, pols, True, 1)
     torch.manual_seed(cfg["seed"])
     models, opts, _, engines = P.build(cfg, pols, bases, os.path.join(cfg["out_dir"], "none"), 0, C.DEVICE)
@@ -103,7 +104,7 @@ def one_step(flags, samples):
             after_each.append(logprobs(model, mine) - before)
 
         opts[p].step = step_and_measure
-        T.update_policy(model, opts[p], mine, P.settings(cfg, pol), 1, C.DEVICE)
+        T.update_policy(model, opts[p], mine, config.settings(cfg, pol), 1, C.DEVICE)
         moved.append(after_each)
     # per optimizer step k: every policy's tokens, moved from the start
     return pols[0].lr, [torch.cat(per_policy) for per_policy in zip(*moved)]
@@ -137,7 +138,7 @@ def first_update(flags, samples):
 
         opts[p].step = step_once
         try:
-            T.update_policy(model, opts[p], mine, P.settings(cfg, pol), 1, C.DEVICE)
+            T.update_policy(model, opts[p], mine, config.settings(cfg, pol), 1, C.DEVICE)
         except FirstStepTaken:
             pass
     return out
