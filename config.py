@@ -245,14 +245,15 @@ PER_ROLE_FLAGS = PER_ROLE + SAMPLING + tuple("eval_" + k for k in SAMPLING)
 
 
 def as_bool(text):
+    """A flag's true or false (its type reads "bool" in error messages)."""
     if str(text).lower() not in ("1", "0", "true", "false", "yes", "no"):
         raise ValueError(f"{text!r} is not true or false")
     return str(text).lower() in ("1", "true", "yes")
 
 
+as_bool.__name__ = "bool"
 CASTS = {"lr": float, "micro_batch_tokens": int, "minibatches": int, "temperature": float, "top_p": float,
          "max_new_tokens": int, "thinking": as_bool}
-as_bool.__name__ = "bool"
 # each per-role flag's type: ROLE=VALUE,... is read into {role: value} (config.parse_flags)
 CASTS_OF_FLAG = {k: CASTS[k.removeprefix("eval_")] for k in PER_ROLE_FLAGS}
 
@@ -344,10 +345,12 @@ def resolve(cfg):
         if len(set(base.values())) > 1:
             raise SystemExit("--policies lora puts every role's adapter on one base: drop --policy ROLE=PATH, or use "
                              "--policies shared|per_role for different bases per role")
-    groups = {}  # the grouping key of the table above -> roles
+    # the table above: roles with one key share a policy (shared: one per base)
+    sharing = {"shared": lambda r: base[r], "per_role": lambda r: r, "lora": lambda r: r,
+               "per_type": lambda r: (E.role_type(r), base[r])}
+    groups = {}
     for r in roles:
-        key = {"per_role": r, "lora": r, "per_type": (E.role_type(r), base[r])}.get(cfg["policies"], base[r])
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(sharing[cfg["policies"]](r), []).append(r)
     pols = []
     for rs in groups.values():
         vals = {k: {settings[k][r] for r in rs} for k in PER_ROLE}

@@ -8,9 +8,10 @@ On-policy RL of a multi-agent LLM system: AT-GRPO and the baselines.
 One step, the phases of `main`'s loop: collect (E fresh envs per rank, tree rollouts: rollout.py)
 -> advantages (grpo_mas.py) -> one PPO-clip update per policy on its roles' samples -> sync (the
 new weights into each policy's engine) -> log, evaluate, checkpoint. The method in words:
-docs/method.md. Flags and checks: config.py; who plays which role: policies.py; micro-batches:
-batching.py; the step's record and line: steplog.py; torchrun and checkpoints: common.py; the
-tiny default's base: tiny.py. A new task, scheme or workflow: docs/extending.md.
+docs/method.md. Flags, checks and who plays which role: config.py; the policies' models and
+engines: policies.py; micro-batches: batching.py; the step's record and line: steplog.py;
+torchrun and checkpoints: common.py; the tiny default's base: tiny.py. A new task, scheme or
+workflow: docs/extending.md.
 
 What this script simplifies, and why:
  1. Rollout and training take turns on the same devices (no separate generation pool). On CUDA the
