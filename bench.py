@@ -525,6 +525,16 @@ SHARE_SETTINGS = {  # name: (environment, torch threads). libgomp spins GOMP_SPI
 BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
 
 
+def run_child(args, prefix, env=None):
+    """This script in a fresh process (`python bench.py ARGS`): the JSON of its one line that starts with
+    `prefix`, or a stop naming the child and its stderr."""
+    r = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=3600)
+    line = [x for x in r.stdout.splitlines() if x.startswith(prefix)]
+    if not line:
+        raise SystemExit(f"bench.py {' '.join(args)} failed: {r.stderr[-2000:]}")
+    return json.loads(line[0][len(prefix):])
+
+
 def default_steps(engine, repeats):
     """The CPU default's steps on `engine` from its cached base (the first, which warms the engine's shapes, not
     counted): each step's collect (generation, the env, the refill), update and weight-sync seconds, and what
@@ -592,15 +602,10 @@ def bench_step(engines=("vllm", "torch"), repeats=8):
     threads_n = torch.get_num_threads()
     rows = {}
     for engine in engines:
-        argv = [sys.executable, __file__, "step_child", engine, str(threads_n), str(repeats)]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-        line = [x for x in r.stdout.splitlines() if x.startswith("STEP ")]
-        if not line:
-            raise SystemExit(f"step_child {engine} failed: {r.stderr[-2000:]}")
-        p = json.loads(line[0][5:])
+        p = run_child(["step_child", engine, str(threads_n), str(repeats)], "STEP ")
         med = {k: statistics.median(v) for k, v in p.items()}
         per_token = flops_per_token(mcfg, 64)  # the default's rows are short: attention is a rounding error
-        gen_flops = [2 * per_token / 6 * (a + b) / c for a, b, c in
+        gen_flops = [per_token / 3 * (a + b) / c for a, b, c in  # a forward: a third of a training step
                      zip(p["prompt_tokens"], p["response_tokens"], p["collect"])]
         upd_flops = [per_token * a / b for a, b in zip(p["trained_tokens"], p["update"])]
         rows[engine] = dict(**med, samples_per_s=statistics.median(a / b for a, b in zip(p["generated"], p["collect"])),
@@ -659,17 +664,13 @@ def bench_share(plan=SHARE_PLAN):
         for load in loads:
             for name, (env, n) in SHARE_SETTINGS.items():
                 child_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-                argv = [sys.executable, __file__, "share_child", kind, str(n), str(repeats)]
                 busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(load)]
                 try:
-                    r = subprocess.run(argv, env={**child_env, **env}, capture_output=True, text=True, timeout=3600)
+                    parts = run_child(["share_child", kind, str(n), str(repeats)], "SHARE ", {**child_env, **env})
                 finally:
                     for b in busy:
                         b.kill()
-                line = [x for x in r.stdout.splitlines() if x.startswith("SHARE ")]
-                if not line:
-                    raise SystemExit(f"share_child {kind} {name} failed: {r.stderr[-2000:]}")
-                rows.append(dict(kind=kind, load=load, setting=name, **json.loads(line[0][6:])))
+                rows.append(dict(kind=kind, load=load, setting=name, **parts))
                 print(json.dumps(rows[-1]), flush=True)
     main = {"warmup": "warmup_step", "step": "step"}
     for row in rows:
