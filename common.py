@@ -533,31 +533,24 @@ def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
 LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
 
 
-def clock_schedule(cfg, step, start_step, seconds, log, master):
-    """--lr_clock, at the top of each step: the run's cfg, with lr_steps cut by fit_schedule at step
-    LR_CLOCK_STEPS from the `seconds` this process's steps took so far (their evaluations included),
-    or (a resume past it) read back from the log's lr_steps (rank 0's `log`). Off (the presets): cfg
-    unchanged."""
-    if not cfg["lr_clock"]:
-        return cfg
-    if step == start_step > LR_CLOCK_STEPS:
-        return {**cfg, "lr_steps": all_max(log.history("lr_steps")[-1] if master else 0)}
-    if step == LR_CLOCK_STEPS and cfg["time_limit_min"]:
-        return fit_schedule(cfg, step - start_step, all_max(max(1, round(seconds))))
-    return cfg
+def schedule_steps(cfg, start_step, log, master):
+    """The lr schedule's length as a run starts: --lr_steps (0: --steps), or for a resume past
+    --lr_clock's cut (at step LR_CLOCK_STEPS) the cut, read back from the log (rank 0's `log`)."""
+    if cfg["lr_clock"] and start_step > LR_CLOCK_STEPS:
+        return all_max(log.history("lr_steps")[-1] if master else 0)
+    return cfg["lr_steps"] or cfg["steps"]
 
 
 def fit_schedule(cfg, steps_done, seconds):
-    """--lr_clock: the schedule cut to the steps that fit in its share of --time_limit_min at the
-    pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their
+    """--lr_clock: the schedule's length cut to the steps that fit in its share of --time_limit_min
+    at the pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their
     evaluations included), so a slower machine still ends its cosine inside the clock. Never
-    lengthened; a resume reads the cut back from the log (its lr_steps). No steps run here (a
-    resume at the fitting step): no pace, the schedule as it was."""
-    if steps_done < 1:
-        return cfg
+    lengthened. No steps run here (a resume at the fitting step): no pace, the schedule as it was."""
     span = cfg["lr_steps"] or cfg["steps"]
+    if steps_done < 1:
+        return span
     fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
-    return {**cfg, "lr_steps": max(steps_done + 1, min(span, fit))}
+    return max(steps_done + 1, min(span, fit))
 
 
 class PhaseClock:

@@ -323,29 +323,42 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
 MAX_BAD_STEPS = 3  # steps in a row with a non-finite loss or gradient that stop the run
 
 
-def lr_factor(cfg, step):
-    """The lr of step `step` (0-based) as a fraction of --lr: constant, then over the last
-    --lr_decay of the schedule's --lr_steps (or --steps) a half cosine down to --lr_min, held
-    after (warmup-stable-decay, no warmup; nanoGPT's lr_decay_iters against max_iters)."""
-    span = cfg["lr_steps"] or cfg["steps"]
-    start = round(span * (1 - cfg["lr_decay"]))
-    if not cfg["lr_decay"] or step < start:
-        return 1.0
-    t = min(1.0, (step - start) / max(1, span - start))
-    return cfg["lr_min"] + (1 - cfg["lr_min"]) * 0.5 * (1 + math.cos(math.pi * t))
+class Schedule:
+    """The lr of each step as a fraction of --lr: constant, then over the last --lr_decay of the
+    schedule's `steps` a half cosine down to --lr_min, held after (warmup-stable-decay, no warmup;
+    nanoGPT's lr_decay_iters against max_iters). `steps`: --lr_steps, or --steps; --lr_clock cuts
+    it once, at step LR_CLOCK_STEPS, to what fits in the clock (`follow_clock`)."""
+
+    def __init__(self, cfg, steps):
+        self.cfg, self.steps = cfg, steps
+
+    def factor(self, step):
+        decay, lr_min = self.cfg["lr_decay"], self.cfg["lr_min"]
+        start = round(self.steps * (1 - decay))
+        if not decay or step < start:
+            return 1.0
+        t = min(1.0, (step - start) / max(1, self.steps - start))
+        return lr_min + (1 - lr_min) * 0.5 * (1 + math.cos(math.pi * t))
+
+    def follow_clock(self, step, steps_run, seconds):
+        """--lr_clock, at the top of step LR_CLOCK_STEPS: the schedule cut to the steps that fit in its
+        share of --time_limit_min at the pace of the `steps_run` steps this process ran in `seconds`
+        (the slowest rank's; their evaluations included). Off in every preset."""
+        if self.cfg["lr_clock"] and self.cfg["time_limit_min"] and step == C.LR_CLOCK_STEPS:
+            self.steps = C.fit_schedule(self.cfg, steps_run, C.all_max(max(1, round(seconds))))
 
 
-def update_policies(cfg, pols, models, opts, refs, samples, trained, step, world):
-    """One update per policy on its roles' samples, at this step's lr. A policy none of whose roles
-    trains (--train_roles, --alternate_every) sits still: no update, its weights bit-identical."""
+def update_policies(cfg, pols, models, opts, refs, samples, trained, lr_factor, world):
+    """One update per policy on its roles' samples, at this step's lr (`lr_factor` x its --lr). A
+    policy none of whose roles trains (--train_roles, --alternate_every) sits still: no update, its
+    weights bit-identical."""
     updates = []
     for p, pol in enumerate(pols):
         if not set(pol.roles) & trained:
             updates.append(UpdateStats())
             continue
-        # the lr is a function of the step: a resume follows it
         for group in opts[p].param_groups:
-            group["lr"] = pol.lr * lr_factor(cfg, step)
+            group["lr"] = pol.lr * lr_factor
         its_samples = [s for s in samples if s.policy == p]
         settings = config.settings(cfg, pol)  # its own lr, micro-batch tokens, mini-batches
         updates.append(update_policy(P.use_policy(models, pols, p), opts[p], its_samples, settings,
@@ -484,6 +497,22 @@ def trained_roles(cfg, roles, step):
     return set(chosen)
 
 
+def stop_reason(cfg, last, bad_steps, run_seconds):
+    """Why the run stops after step `last`, or "" to go on; every rank gives the same answer (the
+    clock and the signals are agreed over ranks, so both are asked on every step): "non-finite"
+    (MAX_BAD_STEPS skipped updates in a row), "steps" (--steps or --stop_step reached), "time"
+    (--time_limit_min), "signal" (Ctrl-C or SIGTERM: checkpoint, no evaluation, resumable)."""
+    out_of_time = C.out_of_time_all(cfg, run_seconds)
+    signal = C.stop_requested_all(last)
+    if bad_steps == MAX_BAD_STEPS:
+        return "non-finite"
+    if last in (cfg["steps"], cfg["stop_step"]):
+        return "steps"
+    if out_of_time:
+        return "time"
+    return "signal" if signal else ""
+
+
 # -----------------------------------------------------------------------------
 # main: set up, then each step collect -> advantages -> update -> sync -> log / eval / checkpoint
 
@@ -531,13 +560,13 @@ def main(argv):
     # the |dlogp| alarm's history: a resume reads it back from the log
     dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
+    schedule = Schedule(cfg, C.schedule_steps(cfg, start.step, log, master))  # the lr of each step
     t_loop = time.time()
     bad_steps = 0  # steps in a row with a skipped (non-finite) optimizer step
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
-        cfg = C.clock_schedule(cfg, step, start.step, time.time() - t_loop, log,
-                               master)  # --lr_clock (off in the presets)
+        schedule.follow_clock(step, step - start.step, time.time() - t_loop)  # --lr_clock (off)
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
         batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
@@ -551,7 +580,8 @@ def main(argv):
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: engines sleep)
         for engine in P.distinct_engines(engines):
             engine.sleep()
-        updates = update_policies(cfg, pols, models, opts, refs, samples, trained, step, world)
+        updates = update_policies(cfg, pols, models, opts, refs, samples, trained,
+                                  schedule.factor(step), world)
         clock.lap("train")
 
         # --- sync: each policy's new weights into its engine (streamed; wakes it first)
@@ -562,25 +592,23 @@ def main(argv):
         # --- log, evaluate, checkpoint
         mine = steplog.rank_stats(cfg, batch, samples, groups, updates, clock)
         rec = steplog.step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master,
-                                  lr_factor(cfg, step))
+                                  schedule.factor(step), schedule.steps)
         rec["time"] = time.time() - t_run
         last = step + 1
         bad_steps = bad_steps + 1 if any(u.skipped for u in updates) else 0
         eta = C.eta_seconds(cfg, last, last - start.step, time.time() - t_process, rec["time"])
         if master:
             print(steplog.step_line(rec, roles, len(pols), eta), flush=True)
-        out_of_time = C.out_of_time_all(cfg, time.time() - t_run)
-        stop = C.stop_requested_all(last)  # a signal on any rank: every rank checkpoints, stops
-        final = last in (cfg["steps"], cfg["stop_step"]) or out_of_time or bad_steps == MAX_BAD_STEPS
-        if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or final):
+        reason = stop_reason(cfg, last, bad_steps, time.time() - t_run)  # "": go on
+        if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or reason not in ("", "signal")):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
         log.write(rec)
-        if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or final or stop):
+        if cfg["ckpt_every"] and (last % cfg["ckpt_every"] == 0 or reason):
             save(cfg, last, models, opts, pols, engines, tokenizer, rank, time.time() - t_run)
-        if out_of_time and master:
+        if reason == "time" and master:
             print(f"time limit of {cfg['time_limit_min']} min reached after step {last}")
-        if final or stop:
+        if reason:
             break
 
     for engine in P.distinct_engines(engines):  # engines first: vLLM's own groups go before ours
@@ -589,7 +617,7 @@ def main(argv):
     if C.OWN_GROUP:
         C.close_dist()
     C.exit_if_stopped(master)  # one line with the command that resumes, exit status 128 + signal
-    if bad_steps == MAX_BAD_STEPS:
+    if reason == "non-finite":
         raise SystemExit(f"stopped after step {last}: {bad_steps} steps in a row had a non-finite loss or gradient "
                          "and were not applied; the weights (and the checkpoint, if any) are the last finite ones. "
                          "Lower --lr, or check the data and the rewards")
