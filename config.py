@@ -311,20 +311,10 @@ def resolve(cfg):
     policy index})."""
     roles = task_roles(cfg)
     base = {r: cfg["model"] or "tiny" for r in roles}
-    named = set()
-    for sp in filter(None, cfg["policy"].split(",")):
-        r, eq, path = sp.partition("=")
-        if not eq or not path:
-            raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
-        if r in named:
-            raise SystemExit(f"--policy names role {r!r} twice ({cfg['policy']}): give each role one base")
-        named.add(r)
-        if r not in roles:
-            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
-                             f"its roles are {', '.join(roles)}")
+    for r, path in named_bases(cfg, roles).items():
         if path not in tiny.TINY_SIZES and not os.path.isfile(os.path.join(path, "config.json")):
-            raise SystemExit(f"--policy {sp}: {path!r} is not a Hugging Face model folder (no config.json), "
-                             f"nor one of {', '.join(tiny.TINY_SIZES)}")
+            raise SystemExit(f"--policy {r}={path}: {path!r} is not a Hugging Face model folder (no "
+                             f"config.json), nor one of {', '.join(tiny.TINY_SIZES)}")
         base[r] = path
     tiny_bases = [b in tiny.TINY_SIZES for b in base.values()]
     if not cfg["model"] and any(tiny_bases) and not all(tiny_bases):
@@ -362,6 +352,23 @@ def resolve(cfg):
         pols.append(Policy(name, tuple(rs), base[rs[0]], name if cfg["policies"] == "lora" else "",
                            **{k: vals[k].pop() for k in PER_ROLE}))
     return pols, {r: i for i, p in enumerate(pols) for r in p.roles}
+
+
+def named_bases(cfg, roles):
+    """{role: PATH} for each ROLE=PATH of --policy (train.py's bases, eval.py's models): each a role
+    of the task's workflow, named once."""
+    named = {}
+    for sp in filter(None, cfg["policy"].split(",")):
+        r, eq, path = sp.partition("=")
+        if not eq or not path:
+            raise SystemExit(f"--policy takes ROLE=PATH, not {sp!r}")
+        if r in named:
+            raise SystemExit(f"--policy names role {r!r} twice ({cfg['policy']}): give each role one base")
+        if r not in roles:
+            raise SystemExit(f"--policy {sp}: task {cfg['task']!r} ({cfg['workflow']}) has no role {r!r}; "
+                             f"its roles are {', '.join(roles)}")
+        named[r] = path
+    return named
 
 
 def settings(cfg, policy):

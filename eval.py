@@ -100,15 +100,7 @@ def configure(argv):
 
 def role_models(cfg, roles):
     """{role: model folder}: --model for every role, --policy ROLE=PATH for the ones it names."""
-    paths = {r: cfg["model"] for r in roles}
-    for spec in filter(None, cfg["policy"].split(",")):
-        role, eq, path = spec.partition("=")
-        if not eq:
-            raise SystemExit(f"--policy takes ROLE=PATH, not {spec!r}")
-        if role not in roles:
-            raise SystemExit(f"task {cfg['task']!r} ({cfg['workflow']}) has no role {role!r}: its roles are "
-                             f"{', '.join(roles)}")
-        paths[role] = path
+    paths = {r: cfg["model"] for r in roles} | config.named_bases(cfg, roles)
     for role, path in paths.items():
         if not path:
             raise SystemExit(f"no model for role {role!r}: pass --model PATH or --policy {role}=PATH")

@@ -41,8 +41,8 @@ class Algo:
     config.py (its checks, --algo's choices) and the tests (a smoke run of each)."""
     rollout: str        # "tree": K candidates per (agent, turn), the best continues; "plain": K
                         # independent trajectories per env
-    key: object         # which samples share a baseline (gigpo: its episode groups, see below)
-    value: object       # what is normalized inside the group
+    key: object         # which samples share a baseline (None: gigpo makes its own groups)
+    value: object       # what is normalized inside the group (compute_advantages)
     unit: object        # one value per unit: grpo counts an agent's return once per trajectory
     returns: bool       # s.ret, the agent's return in its trajectory, is needed (trajectory_returns)
     anchor_groups: bool  # gigpo's second level: the calls made from one state (gigpo_advantages)
@@ -61,11 +61,10 @@ ALGOS = {
     "dr_mas": Algo(rollout="plain", key=lambda s: (s.env, s.role), value=lambda s: s.reward,
                    unit=id, returns=False, anchor_groups=False, scales=SCALES, outcome=True,
                    fixed={}),
-    # gigpo normalizes within its own two kinds of groups (episodes and anchor states): a preset's
-    # DAPO filter and step-wide std do not apply; `key` is its episode groups with --gigpo_episode agent
-    "gigpo": Algo(rollout="plain", key=lambda s: (s.env, s.role), value=lambda s: s.reward,
-                  unit=id, returns=False, anchor_groups=True, scales=("group", "none"),
-                  outcome=True,
+    # gigpo normalizes within its own two kinds of groups (episodes and anchor states, both made by
+    # gigpo_advantages, so no key, value or unit here): DAPO's filter and the step's std do not apply
+    "gigpo": Algo(rollout="plain", key=None, value=None, unit=None, returns=False,
+                  anchor_groups=True, scales=("group", "none"), outcome=True,
                   fixed={"dynamic_sampling": 0, "scale_rewards": "group", "batch_std_steps": 0}),
 }
 ZERO_VAR = 1e-12  # a group whose values' std is below this has no signal (advantage 0)
@@ -124,8 +123,10 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
                        std_floor=0.0):
     """Sets s.adv on every sample; returns (the samples kept for training, GroupStats).
     `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
-    if algo not in ALGOS:
-        raise ValueError(f"unknown algo {algo!r}: use --algo {', '.join(ALGOS)}")
+    keyed = [name for name, a in ALGOS.items() if a.key]
+    if algo not in keyed:
+        raise ValueError(f"compute_advantages groups by a scheme's key: algo {', '.join(keyed)}, not "
+                         f"{algo!r} (gigpo: gigpo_advantages)")
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}: use --scale_rewards group, none or batch")
     if not std_floor >= 0.0:
@@ -188,77 +189,77 @@ def gigpo_advantages(samples, gamma=0.95, step_weight=1.0, scale="none", eps=1e-
         raise ValueError(f"gigpo normalizes with scale none or group, not {scale!r}")
     episode_value, step_return = gigpo_returns(samples, gamma, penalty)
     by_episode, by_anchor = gigpo_groups(samples, episode)
-    unit = (lambda s: s.traj) if episode == "trajectory" else id  # what one value stands for
-    a_episode, zero_episode = gigpo_normalize(by_episode, episode_value, scale, eps,
-                                              lone_mean_is_own=False, unit=unit)
-    a_step, zero_step = gigpo_normalize(by_anchor, step_return, scale, eps, lone_mean_is_own=True)
-    for s in samples:
-        s.adv = a_episode[id(s)] + step_weight * a_step[id(s)]
+    # what one value stands for: a call, or (episode groups per trajectory) the trajectory
+    units = [s.traj if episode == "trajectory" else i for i, s in enumerate(samples)]
+    a_episode, zero_episode = gigpo_normalize(by_episode, episode_value, scale, eps, "zero", units)
+    a_step, zero_step = gigpo_normalize(by_anchor, step_return, scale, eps, "own", range(len(samples)))
+    for i, s in enumerate(samples):
+        s.adv = a_episode[i] + step_weight * a_step[i]
     n_groups = len(by_episode) + len(by_anchor)
     return samples, GroupStats(groups=n_groups, zero_var_frac=(zero_episode + zero_step) / max(1, n_groups),
                                group_size=len(samples) / max(1, len(by_anchor)), dropped=0)
 
 
 def gigpo_returns(samples, gamma, penalty):
-    """Each call's two values, by id: its trajectory's total reward, and its env step's discounted
-    return G_t = r_t + gamma G_(t+1) over the trajectory's turns, r_t the sum of the turn's calls'
-    rewards, shared by every call of the turn (gamma once per env step: core_algos.py:156-173)."""
+    """Each call's two values, in the samples' order: its trajectory's total reward, and its env
+    step's discounted return G_t = r_t + gamma G_(t+1) over the trajectory's turns, r_t the sum of
+    the turn's calls' rewards, shared by every call of the turn (gamma once per env step:
+    core_algos.py:156-173)."""
     trajectories = defaultdict(list)
-    for s in samples:
-        trajectories[s.env, s.traj].append(s)
-    episode_value, step_return = {}, {}
+    for i, s in enumerate(samples):
+        trajectories[s.env, s.traj].append(i)
+    episode_value, step_return = [0.0] * len(samples), [0.0] * len(samples)
     for calls in trajectories.values():
-        total, future = sum(s.reward for s in calls), 0.0
+        total, future = sum(samples[i].reward for i in calls), 0.0
         turn_reward = defaultdict(float)  # the env step's reward: what its calls earned together
-        for s in calls:
-            turn_reward[s.turn] += s.reward
+        for i in calls:
+            turn_reward[samples[i].turn] += samples[i].reward
         turn_return = {}
         for turn in sorted(turn_reward, reverse=True):
             future = turn_reward[turn] + gamma * future
             turn_return[turn] = future
-        for s in calls:
-            invalid = penalty * (not s.formatted)
-            episode_value[id(s)] = total - invalid
-            step_return[id(s)] = turn_return[s.turn] - invalid
+        for i in calls:
+            invalid = penalty * (not samples[i].formatted)
+            episode_value[i] = total - invalid
+            step_return[i] = turn_return[samples[i].turn] - invalid
     return episode_value, step_return
 
 
 def gigpo_groups(samples, episode):
-    """(episode groups, anchor groups). Episode groups (core_algos.py:281-285, ray_trainer.py:269-274):
-    per (env, agent) for "agent" (Dr. MAS's group_by_agent_id=True), else per env. Anchor groups lie
-    within them (core_algos.py:340-349): the calls made from one state of the env (`s.anchor`, the
-    env's own observation, the reference's `anchor_obs`; the prompt where a sample has none), by any
-    trajectory at any turn."""
+    """(episode groups, anchor groups), each {key: the indices of its samples}. Episode groups
+    (core_algos.py:281-285, ray_trainer.py:269-274): per (env, agent) for "agent" (Dr. MAS's
+    group_by_agent_id=True), else per env. Anchor groups lie within them (core_algos.py:340-349):
+    the calls made from one state of the env (`s.anchor`, the env's own observation, the
+    reference's `anchor_obs`; the prompt where a sample has none), by any trajectory at any turn."""
     by_episode, by_anchor = defaultdict(list), defaultdict(list)
-    for s in samples:
+    for i, s in enumerate(samples):
         index = (s.env, s.role) if episode == "agent" else (s.env,)
         anchor = s.anchor if s.anchor is not None else tuple(s.prompt_ids)
-        by_episode[index].append(s)
-        by_anchor[index, anchor].append(s)
+        by_episode[index].append(i)
+        by_anchor[index, anchor].append(i)
     return by_episode, by_anchor
 
 
-def gigpo_normalize(groups, values, scale, eps, lone_mean_is_own, unit=id):
+def gigpo_normalize(groups, values, scale, eps, lone, units):
     """Each group's members normalized by its mean and unbiased std over its units: one value per
-    unit (`unit(s)`; the first member's value stands for a unit of several, core_algos.py:281). A
-    group of one unit: an episode group has mean 0 and std 1 (core_algos.py:288-290), a step group
-    its own value as mean (advantage 0, core_algos.py:430-432). Returns ({id: advantage}, the groups
-    whose values are all equal)."""
-    out, zero = {}, 0
+    unit (`units[i]`; the first member's value stands for a unit of several, core_algos.py:281). A
+    group of one unit (`lone`): "zero", an episode group, has mean 0 and std 1 (core_algos.py:288-290);
+    "own", a step group, its own value as mean (advantage 0, core_algos.py:430-432). Returns (the
+    advantages in the samples' order, the groups whose values are all equal)."""
+    out, zero = [0.0] * len(values), 0
     for group in groups.values():
-        units = {}
-        for s in group:
-            units.setdefault(unit(s), values[id(s)])
-        x = list(units.values())
+        per_unit = {}
+        for i in group:
+            per_unit.setdefault(units[i], values[i])
+        x = list(per_unit.values())
         if len(x) == 1:
-            mean, std = (x[0] if lone_mean_is_own else 0.0), 1.0
+            mean, std = (x[0] if lone == "own" else 0.0), 1.0
         else:
             mean = sum(x) / len(x)
             std = math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1))
         zero += len(x) > 1 and max(x) == min(x)
-        for s in group:
-            v = values[id(s)]
-            out[id(s)] = v - mean if scale == "none" else (v - mean) / (std + eps)
+        for i in group:
+            out[i] = values[i] - mean if scale == "none" else (values[i] - mean) / (std + eps)
     return out, zero
 
 

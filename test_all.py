@@ -2528,8 +2528,9 @@ def test_group_keys_and_advantages_by_hand():
     mu = sum(vals) / 4
     sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / 4)
     assert ss[4].adv == pytest.approx((10.0 - mu) / (sd + e)) and ss[5].adv == pytest.approx((14.0 - mu) / (sd + e))
-    with pytest.raises(ValueError, match="unknown algo"):
-        G.compute_advantages(ss, "ppo")
+    for algo in ("ppo", "gigpo"):  # gigpo has no key: its groups are gigpo_advantages' own
+        with pytest.raises(ValueError, match="groups by a scheme's key"):
+            G.compute_advantages(ss, algo)
 
 
 def _dapo_reference(batches, target_prompts, n, max_num_gen_batches):
@@ -5021,6 +5022,12 @@ def test_what_new_users_tried_stops_with_one_line(tmp_path, tiny_dir, monkeypatc
         V.configure(["--task", "plan", "--model", str(run)])
     with pytest.raises(SystemExit, match="--files 'nope.jsonl': no such file"):
         V.configure(["--task", "math", "--model", tiny_dir, "--files", "nope.jsonl"])
+    for policy, msg in [("tool=tiny,tool=tiny-small", "names role 'tool' twice"), ("chess=tiny", "has no role 'chess'"),
+                        ("tool", "takes ROLE=PATH")]:  # eval.py parses --policy as train.py does (one parse)
+        with pytest.raises(SystemExit, match=msg):
+            T.configure(["--policy", policy])
+        with pytest.raises(SystemExit, match=msg):
+            V.configure(["--task", "plan", "--model", tiny_dir, "--policy", policy])
 
 
 def test_policies_resolve_role_maps_settings_and_misuse(tiny_dir, cpu_machine):
