@@ -128,7 +128,7 @@ class Env:
     adds the role to `spoken`, and `end_turn` (the subclass's, calling this one) starts the next
     turn with nobody having spoken. A new workflow is one subclass: stages or speakers, observe,
     step, team_reward."""
-    stages = ()
+    stages = ()  # a subclass sets it (an attribute) or derives it from its roles (a property)
     speaks_again = False  # True: an agent may answer twice in a turn, both in one group (rollout.py)
 
     def __init__(self):
@@ -177,8 +177,8 @@ class GridGame(Env):
         # what the plan agent sees this turn
         self.tool_text, self.tool_out, self.tool_sim = None, None, None
 
-    @property
     # sequential: one agent at a time (the rollouts run a turn as these stages, in order)
+    @property
     def stages(self):
         return [(r,) for r in self.roles]
 

@@ -25,6 +25,10 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     "mas_grpo": ("two agents + GRPO (trajectory)", ["--algo", "grpo"]),
     "mas_at_grpo": ("two agents + AT-GRPO, shared", []),
     "mas_at_grpo_per_role": ("two agents + AT-GRPO, per role", ["--policies", "per_role"]),
+    # not a row of the paper: Sudoku's reward with a wrong legal fill charged -0.3 (the spec pays it
+    # +0.1, as a right one), shown beside the reference's reward (issue 77's deviation, a flag)
+    "mas_at_grpo_wrong_fill": ("two agents + AT-GRPO, shared, a wrong fill -0.3 (not the paper's reward)",
+                               ["--sudoku_wrong_fill", "-0.3"]),
 }
 # the paper's Table 1, Qwen3-1.7B, accuracy %: (Plan-Path, Sokoban, Sudoku); None: not a row of the paper
 PAPER = {
@@ -94,6 +98,11 @@ def table(game, seeds, steps):
         values = [v for v in values if v is not None]  # runs short of the budget: not yet
         n = got[0][2] if got else 0
         print(f"| {name} | {cell(values, n)} | {'-' if paper is None else paper[GAMES.index(game)]} |")
+    for row, (name, _) in ROWS.items():  # rows beside the paper's (a reward it does not use), where run
+        found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
+        values = [v for v in (evals(game, row, s, steps)[1] for s in found) if v is not None]
+        if name not in PAPER and values:
+            print(f"| {name} | {cell(values, evals(game, row, found[0], steps)[2])} | - |")
 
 
 if __name__ == "__main__":
