@@ -530,29 +530,6 @@ def eta_seconds(cfg, step, done_steps, elapsed, run_elapsed=None):
     return left
 
 
-LR_CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
-
-
-def schedule_steps(cfg, start_step, log, master):
-    """The lr schedule's length as a run starts: --lr_steps (0: --steps), or for a resume past
-    --lr_clock's cut (at step LR_CLOCK_STEPS) the cut, read back from the log (rank 0's `log`)."""
-    if cfg["lr_clock"] and start_step > LR_CLOCK_STEPS:
-        return all_max(log.history("lr_steps")[-1] if master else 0)
-    return cfg["lr_steps"] or cfg["steps"]
-
-
-def fit_schedule(cfg, steps_done, seconds):
-    """--lr_clock: the schedule's length cut to the steps that fit in its share of --time_limit_min
-    at the pace of this process's first `steps_done` steps (`seconds` on the slowest rank, their
-    evaluations included), so a slower machine still ends its cosine inside the clock. Never
-    lengthened. No steps run here (a resume at the fitting step): no pace, the schedule as it was."""
-    span = cfg["lr_steps"] or cfg["steps"]
-    if steps_done < 1:
-        return span
-    fit = int(cfg["lr_clock"] * 60 * cfg["time_limit_min"] * steps_done / seconds)
-    return max(steps_done + 1, min(span, fit))
-
-
 class PhaseClock:
     """A step's phases, one after another: each one's wall-clock seconds and, on CUDA, the allocator's
     peak while it ran (GiB). The one place the step's memory is probed."""

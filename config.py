@@ -236,6 +236,10 @@ def fit_context(max_len, prompt, new, context):
 #     lora         none: one adapter per role on one frozen base   one, each adapter merged in
 #     --policy ROLE=PATH gives a role its own base model (different bases: one engine per base)
 
+# A role's value of a per-role flag, first found: its ROLE=VALUE (--lr tool=1e-6); the flag's one
+# value (--lr 1e-6: every role); the preset's (`apply_preset`: cfg["role_defaults"]); train.py's
+# table of defaults. With --policies lora the preset's lr (not one --lr gives) is x --lora_lr_mult
+# (`configure`). Read by `per_role` (training settings) and `role_sampling` (sampling).
 # the training settings a role (its policy) may set on its own
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")
 # how a role samples (a role, not a policy: one policy may play two roles at two temperatures); the

@@ -37,8 +37,9 @@ SCALES = ("group", "none", "batch")
 
 @dataclass(frozen=True)
 class Algo:
-    """One --algo: a new scheme is one entry of ALGOS, read by train.py (the rollout, the returns),
-    config.py (its checks, --algo's choices) and the tests (a smoke run of each)."""
+    """One --algo: a new scheme is one entry of ALGOS, read by train.py (the rollout), this file
+    (the groups and values; plain_values: the returns and --reward outcome), config.py (its checks,
+    --algo's choices) and the tests (a smoke run of each)."""
     rollout: str        # "tree": K candidates per (agent, turn), the best continues; "plain": K
                         # independent trajectories per env
     key: object         # which samples share a baseline (None: gigpo makes its own groups)

@@ -5682,10 +5682,10 @@ def test_lr_clock_fits_the_schedule_to_the_time_limit(tmp_path, monkeypatch):
     log. By hand, and end to end on a clock the test sets (every step takes 3 s of it)."""
     import train as T
     cfg = {"lr_steps": 150, "steps": 1000, "lr_clock": 0.7, "time_limit_min": 15.0}
-    assert C.fit_schedule(cfg, 10, 100) == 63  # 0.7 x 900 s at 10 s a step
-    assert C.fit_schedule(cfg, 10, 30) == 150  # 210 fit: never longer
-    assert C.fit_schedule(cfg, 10, 10 ** 5) == 11  # never shorter than the steps already run
-    assert C.fit_schedule(cfg, 0, 1) == 150  # a resume at step 10 measured no pace (was cut to 1 step)
+    assert T.Schedule(cfg, 150).fit(10, 100) == 63  # 0.7 x 900 s at 10 s a step
+    assert T.Schedule(cfg, 150).fit(10, 30) == 150  # 210 fit: never longer
+    assert T.Schedule(cfg, 150).fit(10, 10 ** 5) == 11  # never shorter than the steps already run
+    assert T.Schedule(cfg, 150).fit(0, 1) == 150  # a resume at step 10 measured no pace (was cut to 1 step)
     now = [1e6]
     monkeypatch.setattr(T, "time", types.SimpleNamespace(time=lambda: now[0]))  # train.py's clock only
     real = T.collect

@@ -327,10 +327,19 @@ class Schedule:
     """The lr of each step as a fraction of --lr: constant, then over the last --lr_decay of the
     schedule's `steps` a half cosine down to --lr_min, held after (warmup-stable-decay, no warmup;
     nanoGPT's lr_decay_iters against max_iters). `steps`: --lr_steps, or --steps; --lr_clock cuts
-    it once, at step LR_CLOCK_STEPS, to what fits in the clock (`follow_clock`)."""
+    it once, at step CLOCK_STEPS, to what fits in the clock (`follow_clock`)."""
+    CLOCK_STEPS = 10  # --lr_clock: the steps whose pace sets the schedule's length
 
     def __init__(self, cfg, steps):
         self.cfg, self.steps = cfg, steps
+
+    @classmethod
+    def of_run(cls, cfg, start_step, log, master):
+        """The run's schedule as it starts; a resume past --lr_clock's cut reads the cut back from
+        the log (rank 0's `log`: its lr_steps)."""
+        if cfg["lr_clock"] and start_step > cls.CLOCK_STEPS:
+            return cls(cfg, C.all_max(log.history("lr_steps")[-1] if master else 0))
+        return cls(cfg, cfg["lr_steps"] or cfg["steps"])
 
     def factor(self, step):
         decay, lr_min = self.cfg["lr_decay"], self.cfg["lr_min"]
@@ -341,11 +350,20 @@ class Schedule:
         return lr_min + (1 - lr_min) * 0.5 * (1 + math.cos(math.pi * t))
 
     def follow_clock(self, step, steps_run, seconds):
-        """--lr_clock, at the top of step LR_CLOCK_STEPS: the schedule cut to the steps that fit in its
+        """--lr_clock, at the top of step CLOCK_STEPS: the schedule cut to the steps that fit in its
         share of --time_limit_min at the pace of the `steps_run` steps this process ran in `seconds`
         (the slowest rank's; their evaluations included). Off in every preset."""
-        if self.cfg["lr_clock"] and self.cfg["time_limit_min"] and step == C.LR_CLOCK_STEPS:
-            self.steps = C.fit_schedule(self.cfg, steps_run, C.all_max(max(1, round(seconds))))
+        if self.cfg["lr_clock"] and self.cfg["time_limit_min"] and step == self.CLOCK_STEPS:
+            self.steps = self.fit(steps_run, C.all_max(max(1, round(seconds))))
+
+    def fit(self, steps_run, seconds):
+        """The steps that fit in --lr_clock's share of --time_limit_min at `steps_run` steps in
+        `seconds`, so a slower machine still ends its cosine inside the clock: never longer than the
+        schedule, never shorter than the steps run. None run (a resume at the cut): no pace, as it was."""
+        if steps_run < 1:
+            return self.steps
+        fit = int(self.cfg["lr_clock"] * 60 * self.cfg["time_limit_min"] * steps_run / seconds)
+        return max(steps_run + 1, min(self.steps, fit))
 
 
 def update_policies(cfg, pols, models, opts, refs, samples, trained, lr_factor, world):
@@ -560,9 +578,9 @@ def main(argv):
     # the |dlogp| alarm's history: a resume reads it back from the log
     dlogp_hist = [log.history(f"dlogp_p{p}") for p in range(len(pols))]
     C.finish_steps_on_signal()  # Ctrl-C / SIGTERM from here: finish the step, checkpoint, stop
-    schedule = Schedule(cfg, C.schedule_steps(cfg, start.step, log, master))  # the lr of each step
+    schedule = Schedule.of_run(cfg, start.step, log, master)  # the lr of each step
     t_loop = time.time()
-    bad_steps = 0  # steps in a row with a skipped (non-finite) optimizer step
+    bad_steps, reason = 0, ""  # steps in a row with a skipped (non-finite) update; why it stopped
 
     for step in range(start.step, cfg["steps"]):
         clock = C.PhaseClock()  # each phase's seconds and (CUDA) peak memory
