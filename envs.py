@@ -1039,7 +1039,10 @@ SOLVER_SYS = ("You are the Solver of a multi-agent team. Solve the problem step 
 VERIFIER_SYS = ("You are the Verifier of a multi-agent team. Check the most recent solution step by step. "
                 "End with <verify>approve</verify> if it is correct, or <verify>reject</verify> if you find "
                 "any error.")
-FORMAT_PENALTY = 0.1  # an answer without its tag or \boxed{} (Dr. MAS's invalid-action penalty, math)
+# an answer without its tag or \boxed{} (Dr. MAS's invalid-action penalty, math). The other penalty
+# knobs: a game's fail_reward (an illegal or unparsable move), --invalid_penalty (--reward outcome
+# only: grpo_mas.outcome_rewards); gigpo_advantages' `penalty` is 0 in training (reference parity)
+FORMAT_PENALTY = 0.1
 
 
 def parse_verdict(text, yes, no):

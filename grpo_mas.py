@@ -124,8 +124,8 @@ def compute_advantages(samples, algo, drop_zero_var=False, scale="group", all_su
                        std_floor=0.0):
     """Sets s.adv on every sample; returns (the samples kept for training, GroupStats).
     `all_sum` sums a list of floats over ranks (scale "batch": every rank holds its own envs)."""
-    keyed = [name for name, a in ALGOS.items() if a.key]
-    if algo not in keyed:
+    if algo not in ALGOS or ALGOS[algo].key is None:
+        keyed = [name for name, a in ALGOS.items() if a.key]
         raise ValueError(f"compute_advantages groups by a scheme's key: algo {', '.join(keyed)}, not "
                          f"{algo!r} (gigpo: gigpo_advantages)")
     if scale not in SCALES:

@@ -151,7 +151,9 @@ def tree_rollout(envs, agents, K, turns, sampling, alpha=1.0, branch="greedy", r
         in_turn = [i for i, env in enumerate(envs) if not env.done]
         if not in_turn:
             break
-        spoken = {i: set() for i in in_turn}  # who answered in this turn, per env
+        # who answered in this turn, per env: the rollout's own record, so an env that forgets to add
+        # a role to its `spoken` (or lets it speak twice) is caught (check_speaks_once)
+        answered = {i: set() for i in in_turn}
         while True:
             asked = {i: envs[i].speakers() for i in in_turn if not envs[i].done}  # once a pass
             waiting = [i for i, who in asked.items() if who]
@@ -160,18 +162,18 @@ def tree_rollout(envs, agents, K, turns, sampling, alpha=1.0, branch="greedy", r
             stage = asked[waiting[0]]
             live = [i for i in waiting if asked[i] == stage]
             for i in live:
-                check_speaks_once(envs[i], stage, spoken[i], turn)
-                spoken[i].update(stage)
+                check_speaks_once(envs[i], stage, answered[i], turn)
+                answered[i].update(stage)
             samples += run_stage(envs, live, stage, turn, agents, K, sampling, alpha, branch, rng, timer)
         with timed(timer, "env"):  # the envs whose turn is over (not those that ended inside it)
             pmap(end_turn, [envs[i] for i in in_turn if not envs[i].speakers()])
     return samples
 
 
-def check_speaks_once(env, stage, spoken, turn):
+def check_speaks_once(env, stage, answered, turn):
     """An agent answers once per turn: a second answer would join its first one's group (env, agent,
     turn) unseen. An env whose agents may answer again says so (`speaks_again`)."""
-    again = [role for role in stage if role in spoken]
+    again = [role for role in stage if role in answered]
     if again and not env.speaks_again:
         raise ValueError(f"{type(env).__name__}: agent {again[0]!r} speaks twice in turn {turn}, and its "
                          "two answers would share one group (env, agent, turn): give the second answer a "
