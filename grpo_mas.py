@@ -51,6 +51,10 @@ class Algo:
     outcome: bool       # --reward outcome applies: every call has a final outcome (plain rollouts)
     fixed: dict         # flags a preset does not set for it (a flag given by hand is checked)
 
+    def __post_init__(self):
+        if self.key is None and not self.anchor_groups:
+            raise TypeError("an Algo with no key needs groups of its own (anchor_groups, gigpo's)")
+
 
 ALGOS = {
     "at_grpo": Algo(rollout="tree", key=lambda s: (s.env, s.role, s.turn), value=lambda s: s.reward,
@@ -247,6 +251,8 @@ def gigpo_normalize(groups, values, scale, eps, lone, units):
     group of one unit (`lone`): "zero", an episode group, has mean 0 and std 1 (core_algos.py:288-290);
     "own", a step group, its own value as mean (advantage 0, core_algos.py:430-432). Returns (the
     advantages in the samples' order, the groups whose values are all equal)."""
+    if lone not in ("zero", "own"):
+        raise ValueError(f"lone {lone!r}: zero (an episode group) or own (a step group)")
     out, zero = [0.0] * len(values), 0
     for group in groups.values():
         per_unit = {}

@@ -4355,6 +4355,8 @@ def test_an_algo_entry_missing_a_field_fails_at_import():
     for name in whole:
         with pytest.raises(TypeError, match=f"'{name}'"):
             G.Algo(**{k: v for k, v in whole.items() if k != name})
+    with pytest.raises(TypeError, match="no key"):  # only a scheme with its own groups (gigpo's) goes without
+        G.Algo(**{**whole, "key": None})
 
 
 @pytest.mark.train
@@ -4577,16 +4579,37 @@ def test_lr_schedule_matches_torch_schedulers():
         if start:  # no constant phase: the cosine alone (torch 2.11's SequentialLR at milestone 0 gives lr 1.02)
             sched = torch.optim.lr_scheduler.SequentialLR(opt, [
                 torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=start), cosine], milestones=[start])
+        # a run's schedule spans --lr_steps, or --steps where it is 0
+        run, run_longer = (T.Schedule.of_run({**c, "lr_clock": 0.0}, 0, None, True) for c in (cfg, longer))
+        assert run.steps == steps and run_longer.steps == steps
         for step in range(steps):
-            assert T.Schedule(cfg, steps).factor(step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-9)
-            assert T.Schedule(cfg, steps).factor(step) == T.Schedule(longer, steps).factor(step)
+            assert run.factor(step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-9), (steps, step)
+            assert run.factor(step) == run_longer.factor(step)
             opt.step()
             sched.step()
-        assert T.Schedule(cfg, steps).factor(steps - 1) > lr_min  # the last step moves; the floor from --steps
-        assert all(T.Schedule(longer, steps).factor(s) == pytest.approx(lr_min) for s in range(steps, 3 * steps))
+        assert run.factor(steps - 1) > lr_min  # the last step still moves; the floor is reached at --steps
+        assert all(run_longer.factor(s) == pytest.approx(lr_min) for s in range(steps, 3 * steps))
     assert all(T.Schedule({"lr_decay": 0.0, "lr_min": 0.1}, 9).factor(s) == 1.0 for s in range(9))
     with pytest.raises(SystemExit, match="lr_decay"):
         T.configure(["--lr_decay", "1.5"])
+
+
+def test_stop_reason_asks_every_rank_and_ranks_the_reasons(monkeypatch):
+    """train.stop_reason: the clock and the signals are asked on every step, in that order (both are
+    collectives: every rank must call them alike), whatever the answer; the reasons rank non-finite > steps
+    (--steps, --stop_step) > time > signal, "" to go on."""
+    import train as T
+    cfg = {"steps": 10, "stop_step": 6, "time_limit_min": 1.0}
+    bad = T.MAX_BAD_STEPS
+    for last, skipped, late, signal, want in [(3, 0, False, False, ""), (3, 0, False, True, "signal"),
+                                              (3, 0, True, True, "time"), (6, 0, True, True, "steps"),
+                                              (10, 0, False, False, "steps"), (3, bad, True, True, "non-finite"),
+                                              (3, bad - 1, False, False, "")]:
+        asked = []
+        monkeypatch.setattr(C, "out_of_time_all", lambda cfg, seconds: asked.append("clock") or late)
+        monkeypatch.setattr(C, "stop_requested_all", lambda step: asked.append("signal") or signal)
+        assert T.stop_reason(cfg, last, skipped, 30.0) == want, (last, skipped, late, signal)
+        assert asked == ["clock", "signal"]
 
 
 def test_batch_std_steps_switches_the_division(tmp_path, monkeypatch):

@@ -99,9 +99,11 @@ def table(game, seeds, steps):
         n = got[0][2] if got else 0
         print(f"| {name} | {cell(values, n)} | {'-' if paper is None else paper[GAMES.index(game)]} |")
     for row, (name, _) in ROWS.items():  # rows beside the paper's (a reward it does not use), where run
+        if name in PAPER:
+            continue
         found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
         values = [v for v in (evals(game, row, s, steps)[1] for s in found) if v is not None]
-        if name not in PAPER and values:
+        if values:
             print(f"| {name} | {cell(values, evals(game, row, found[0], steps)[2])} | - |")
 
 
