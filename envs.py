@@ -358,8 +358,9 @@ class PlanPath(GridGame):
 class Sokoban(GridGame):
     answer_fmt = 'the moves as a JSON list, e.g. ["U", "R", "R"] (U up, D down, L left, R right)'
 
-    def __init__(self, seed, size=6, reverse_steps=25, workflow="mas", compact=False):
+    def __init__(self, seed, size=6, reverse_steps=25, workflow="mas", compact=False, walk_shaping=0.0):
         super().__init__(workflow, compact)
+        self.walk_shaping = walk_shaping  # --sokoban_walk_shaping (0: the spec's reward)
         rng = random.Random(f"sokoban-{size}-{seed}")
         while True:
             walls = {(r, c) for r in range(size) for c in range(size) if r in (0, size - 1) or c in (0, size - 1)}
@@ -389,18 +390,28 @@ class Sokoban(GridGame):
         the spot, then push along that offset" is Plan-Path's "walk along the offset" twice. Same
         information as the room, in a form a tiny model learns from (docs/design.md)."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
-        # the push's direction, one step along the goal's longer offset
-        if abs(gr - br) >= abs(gc - bc):
-            push = ((gr > br) - (gr < br), 0)
-        else:
-            push = (0, (gc > bc) - (gc < bc))
-        sr, sc = br - push[0], bc - push[1]  # the push spot: the cell the push starts from
+        sr, sc = self.push_spot()
         cells = ""
         for a, (dr, dc) in MOVES.items():
             q = (pr + dr, pc + dc)
             cells += a + ("#" if q in self.walls else ("$" if self.move((self.player, self.box), a) else "x")
                           if q == self.box else ".")
         return f"{sr - pr:+d}{sc - pc:+d} {gr - br:+d}{gc - bc:+d} {cells}"
+
+    def push_spot(self):
+        """The cell a push toward the goal starts from: behind the box, one step against the goal's
+        longer offset from it (ties: rows)."""
+        (br, bc), (gr, gc) = self.box, self.goal
+        if abs(gr - br) >= abs(gc - bc):
+            push = ((gr > br) - (gr < br), 0)
+        else:
+            push = (0, (gc > bc) - (gc < bc))
+        return br - push[0], bc - push[1]
+
+    def walk_potential(self):
+        """--sokoban_walk_shaping's potential: minus the player's Manhattan distance to the push spot."""
+        sr, sc = self.push_spot()
+        return -abs(self.player[0] - sr) - abs(self.player[1] - sc)
 
     def rules(self):
         return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "
@@ -455,12 +466,16 @@ class Sokoban(GridGame):
 
     def apply(self, actions):
         """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping
-        0.1*(0.99*phi' - phi) with phi = -box distance to the goal, +10 on solving."""
+        0.1*(0.99*phi' - phi) with phi = -box distance to the goal, +10 on solving. With
+        --sokoban_walk_shaping W (not the spec's: its reward pays a walk to the box nothing) also
+        W*(0.99*psi' - psi), psi = walk_potential (potential-based: the same optimal policies, Ng et
+        al. 1999)."""
         total = 0.0
         for a in actions:
             if self.box == self.goal:
                 break
             phi = -abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])
+            psi = self.walk_potential()
             was_on = self.box == self.goal
             nxt = self.move((self.player, self.box), a)
             if nxt is None:
@@ -471,6 +486,8 @@ class Sokoban(GridGame):
             on = self.box == self.goal
             total += (1.0 if on and not was_on else 0.0) - (0.5 if was_on and not on else 0.0)
             total += 0.1 * (0.99 * (-abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])) - phi)
+            if self.walk_shaping:
+                total += self.walk_shaping * (0.99 * self.walk_potential() - psi)
             if on:
                 total += 10.0
         return total, self.box == self.goal, f"box at {self.box}"
@@ -1347,7 +1364,7 @@ WARMUPS = ("turn", "calls", "none")
 
 def _game(cls, **compact_settings):
     """The factory of a generated game: its compact form takes `compact_settings`, every form the
-    run's `game` settings (Sudoku's wrong_fill)."""
+    run's `game` settings (Sudoku's wrong_fill, Sokoban's walk_shaping)."""
     def make(seed, workflow, compact, row, game=None, **_):
         return cls(seed, workflow=workflow, compact=compact, **(compact_settings if compact else {}),
                    **(game or {}))

@@ -2027,6 +2027,40 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
     assert made and all(env.wrong_fill == -0.3 for env in made)
 
 
+def test_sokoban_walk_shaping_flag_pays_the_walk_to_the_push_spot(monkeypatch, tmp_path):
+    """--sokoban_walk_shaping W (off by default: the spec pays a walk to the box nothing): each move also earns
+    W x (0.99 psi' - psi), psi minus the player's Manhattan distance to the push spot (the cell behind the box, away
+    from the goal along its longer offset), by hand on a room set up here; a push from the spot earns no walk
+    shaping; at the default the spec's rewards alone. The flag is Sokoban's only and reaches the training envs."""
+    import train as T
+
+    def room(game):
+        env = E.make_env("sokoban", 0, compact=True, game=game)
+        env.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
+        env.box, env.goal, env.player = (2, 2), (2, 4), (4, 1)  # push spot (2, 1): push right, twice
+        return env
+    spec = [-0.01 + 0.1 * (0.99 * -2 + 2), -0.01 + 0.1 * (0.99 * -2 + 2), -0.01 + 0.1 * (0.99 * -1 + 2)]
+    walk = [0.99 * -1 + 2, 0.99 * 0 + 1, 0.0]  # player 2 -> 1 -> 0 cells from the spot; the push keeps it at 0
+    plain, shaped = room({}), room({"walk_shaping": 0.1})
+    for i, a in enumerate("UUR"):
+        assert plain.apply([a])[0] == pytest.approx(spec[i]), a
+        assert shaped.apply([a])[0] == pytest.approx(spec[i] + 0.1 * walk[i]), a
+    assert shaped.box == plain.box == (2, 3) and shaped.player == (2, 2)
+    away = room({"walk_shaping": 0.5})
+    assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (0.99 * -3 + 2))  # a step away
+    with pytest.raises(SystemExit, match="^--sokoban_walk_shaping shapes Sokoban's .* not 'plan''s"):
+        T.configure(["--sokoban_walk_shaping", "0.1"])
+    for bad in ("-0.1", "2", "nan"):
+        with pytest.raises(SystemExit, match="^--sokoban_walk_shaping [-0-9.na]+: use a"):
+            T.configure(["--task", "sokoban", "--sokoban_walk_shaping", bad])
+    made = []
+    real = E.train_env
+    monkeypatch.setattr(E, "train_env", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    T.main(SMOKE[:-6] + ["--engine", "scripted", "--warmup_steps", "0", "--task", "sokoban",
+                         "--sokoban_walk_shaping", "0.1", "--out_dir", str(tmp_path / "r")])
+    assert made and all(env.walk_shaping == 0.1 for env in made)
+
+
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])
 def test_training_instances_never_equal_test_instances(task):
     rng = random.Random(0)
