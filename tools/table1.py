@@ -76,13 +76,14 @@ def wilson(successes, n, z=1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def cell(values, n):
-    """mean [min-max] (95% CI of the pooled episodes), in %."""
+def cell(values, n, of):
+    """mean [min-max] (95% CI of the pooled episodes), in %; the seeds it holds where fewer than `of`."""
     if not values:
         return "not run"
     lo, hi = wilson(round(sum(values) * n), n * len(values))
+    fewer = f", {len(values)} seeds" if len(values) < of else ""
     return (f"{100 * sum(values) / len(values):.1f} [{100 * min(values):.1f}-{100 * max(values):.1f}] "
-            f"({100 * lo:.0f}-{100 * hi:.0f})")
+            f"({100 * lo:.0f}-{100 * hi:.0f}){fewer}")
 
 
 def table(game, seeds, steps):
@@ -97,14 +98,14 @@ def table(game, seeds, steps):
         values = [g[0] if name in prompt else g[1] for g in got]
         values = [v for v in values if v is not None]  # runs short of the budget: not yet
         n = got[0][2] if got else 0
-        print(f"| {name} | {cell(values, n)} | {'-' if paper is None else paper[GAMES.index(game)]} |")
+        print(f"| {name} | {cell(values, n, len(seeds))} | {'-' if paper is None else paper[GAMES.index(game)]} |")
     for row, (name, _) in ROWS.items():  # rows beside the paper's (a reward it does not use), where run
         if name in PAPER:
             continue
         found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
         values = [v for v in (evals(game, row, s, steps)[1] for s in found) if v is not None]
         if values:
-            print(f"| {name} | {cell(values, evals(game, row, found[0], steps)[2])} | - |")
+            print(f"| {name} | {cell(values, evals(game, row, found[0], steps)[2], len(seeds))} | - |")
 
 
 if __name__ == "__main__":
