@@ -81,7 +81,7 @@ def cell(values, n, of):
     if not values:
         return "not run"
     lo, hi = wilson(round(sum(values) * n), n * len(values))
-    fewer = f", {len(values)} seeds" if len(values) < of else ""
+    fewer = f", {len(values)} seed{'s' if len(values) > 1 else ''}" if len(values) < of else ""
     return (f"{100 * sum(values) / len(values):.1f} [{100 * min(values):.1f}-{100 * max(values):.1f}] "
             f"({100 * lo:.0f}-{100 * hi:.0f}){fewer}")
 
