@@ -475,7 +475,7 @@ class Sokoban(GridGame):
             if self.box == self.goal:
                 break
             phi = -abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])
-            psi = self.walk_potential()
+            psi = self.walk_potential() if self.walk_shaping else 0.0
             was_on = self.box == self.goal
             nxt = self.move((self.player, self.box), a)
             if nxt is None:
