@@ -2019,12 +2019,19 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
     for bad in ("-3", "1e30", "nan"):
         with pytest.raises(SystemExit, match="^--sudoku_wrong_fill [-0-9.e+na]+: use a"):
             T.configure(["--task", "sudoku", "--sudoku_wrong_fill", bad])
+    made = _training_envs(monkeypatch, tmp_path, ["--max_new_tokens", "17", "--task", "sudoku",
+                                                  "--sudoku_wrong_fill", "-0.3"])
+    assert made and all(env.wrong_fill == -0.3 for env in made)
+
+
+def _training_envs(monkeypatch, tmp_path, flags):
+    """The envs one scripted training step of `flags` builds (a game flag reaches them)."""
+    import train as T
     made = []
     real = E.train_env
     monkeypatch.setattr(E, "train_env", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    T.main(SMOKE[:-6] + ["--engine", "scripted", "--max_new_tokens", "17", "--warmup_steps", "0", "--task", "sudoku",
-                         "--sudoku_wrong_fill", "-0.3", "--out_dir", str(tmp_path / "r")])
-    assert made and all(env.wrong_fill == -0.3 for env in made)
+    T.main(SMOKE[:-6] + ["--engine", "scripted", "--warmup_steps", "0", "--out_dir", str(tmp_path / "r")] + flags)
+    return made
 
 
 def test_sokoban_walk_shaping_flag_pays_the_walk_to_the_push_spot(monkeypatch, tmp_path):
@@ -2053,11 +2060,7 @@ def test_sokoban_walk_shaping_flag_pays_the_walk_to_the_push_spot(monkeypatch, t
     for bad in ("-0.1", "2", "nan"):
         with pytest.raises(SystemExit, match="^--sokoban_walk_shaping [-0-9.na]+: use a"):
             T.configure(["--task", "sokoban", "--sokoban_walk_shaping", bad])
-    made = []
-    real = E.train_env
-    monkeypatch.setattr(E, "train_env", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    T.main(SMOKE[:-6] + ["--engine", "scripted", "--warmup_steps", "0", "--task", "sokoban",
-                         "--sokoban_walk_shaping", "0.1", "--out_dir", str(tmp_path / "r")])
+    made = _training_envs(monkeypatch, tmp_path, ["--task", "sokoban", "--sokoban_walk_shaping", "0.1"])
     assert made and all(env.walk_shaping == 0.1 for env in made)
 
 
