@@ -50,8 +50,7 @@ def rank_stats(cfg, batch, samples, groups, updates, clock):
         mem={f"mem_{phase}": gib for phase, gib in clock.peak_gib.items()})
 
 
-def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master, lr_factor,
-                lr_steps):
+def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master, schedule):
     """The step's metrics, summed or averaged over ranks. |dlogp| (sampler vs trainer log-probs) is
     the stale-sync alarm: bf16 vLLM against the trainer sits near 1e-2 on GPU (fp32 CPU: 1e-7), so
     only a jump against this run's own recent level means something (an engine that stopped
@@ -66,8 +65,8 @@ def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, mast
            "loss": sum(r.loss for r in ranks),
            "format_ok": sum(r.formatted for r in ranks) / max(1, n_samples),
            "resp_tokens": sum(r.response_tokens for r in ranks),
-           "lr_factor": lr_factor,
-           "lr_steps": lr_steps}
+           "lr_factor": schedule.factor(step),  # train.Schedule
+           "lr_steps": schedule.steps}
     for name in mine.counts:  # the env's own counters (envs.COUNTERS)
         rec[name] = sum(r.counts[name] for r in ranks)
         if rec[name] and name in E.ALARMS and master:

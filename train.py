@@ -613,7 +613,7 @@ def main(argv):
         # --- log, evaluate, checkpoint
         mine = steplog.rank_stats(cfg, batch, samples, groups, updates, clock)
         rec = steplog.step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master,
-                                  schedule.factor(step), schedule.steps)
+                                  schedule)
         rec["time"] = time.time() - t_run
         last = step + 1
         bad_steps = bad_steps + 1 if any(u.skipped for u in updates) else 0
