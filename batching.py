@@ -41,10 +41,12 @@ class Row:
 
 
 def make_rows(samples, pack):
+    """The rows of one mini-batch, in the samples' order: one per sample, or with `pack` one per
+    group of samples with the same prompt; a sample with no response has no row."""
     groups = {}
-    for s in samples:
+    for i, s in enumerate(samples):
         if s.response_ids:
-            groups.setdefault(tuple(s.prompt_ids) if pack else id(s), []).append(s)
+            groups.setdefault(tuple(s.prompt_ids) if pack else i, []).append(s)
     rows = []
     for g in groups.values():
         p = len(g[0].prompt_ids)

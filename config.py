@@ -80,7 +80,8 @@ def default_preset(task, tiny, presets):
 def fit_sampling(cfg, prefix, context):
     """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
     response budget and the engine's context fitted to the model's context (fit_context);
-    the flag max_new_tokens becomes the largest role's budget (the memory plan's)."""
+    the flag max_new_tokens becomes the largest role's budget (the memory plan's). Writes four
+    keys of cfg: max_model_len, max_prompt_tokens, PREFIX + max_new_tokens and the Sampling's."""
     sampling = role_sampling(cfg, prefix)
     longest = max(s.max_new_tokens for s in sampling.values())
     cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = fit_context(
@@ -240,6 +241,7 @@ def fit_context(max_len, prompt, new, context):
 # value (--lr 1e-6: every role); the preset's (`apply_preset`: cfg["role_defaults"]); train.py's
 # table of defaults. With --policies lora the preset's lr (not one --lr gives) is x --lora_lr_mult
 # (`configure`). Read by `per_role` (training settings) and `role_sampling` (sampling).
+
 # the training settings a role (its policy) may set on its own
 PER_ROLE = ("lr", "micro_batch_tokens", "minibatches")
 # how a role samples (a role, not a policy: one policy may play two roles at two temperatures); the

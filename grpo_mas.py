@@ -51,9 +51,10 @@ class Algo:
     outcome: bool       # --reward outcome applies: every call has a final outcome (plain rollouts)
     fixed: dict         # flags a preset does not set for it (a flag given by hand is checked)
 
-    def __post_init__(self):
-        if self.key is None and not self.anchor_groups:
-            raise TypeError("an Algo with no key needs groups of its own (anchor_groups, gigpo's)")
+    def __post_init__(self):  # `advantages` dispatches on this: a key, or groups of its own
+        if (self.key is None) != self.anchor_groups:
+            raise TypeError("an Algo has a key (compute_advantages' groups) or anchor_groups (its own, "
+                            "gigpo_advantages'), not both, not neither")
 
 
 ALGOS = {
@@ -278,6 +279,7 @@ def advantages(samples, scheme, step, all_sum=lambda v: v):
     scale = scheme.scale_rewards
     if scale == "group" and step < scheme.batch_std_steps:
         scale = "batch"
+    # an entry has a key or its own groups, never both (Algo.__post_init__)
     if ALGOS[scheme.algo].anchor_groups:  # gigpo: episode groups plus anchor-state step groups
         return gigpo_advantages(samples, scheme.gigpo_gamma, scheme.gigpo_step_weight, scale,
                                 episode=scheme.gigpo_episode)
@@ -306,8 +308,9 @@ def plain_values(samples, trajectories, algo, reward, alpha, penalty):
 
 def outcome_rewards(samples, trajectories, alpha, penalty):
     """--reward outcome, Dr. MAS's assignment: every call's reward is alpha x its trajectory's final
-    team reward (the episode's outcome), minus `penalty` for an ill-formed answer. `trajectories`:
-    the final envs, K per env, as plain_rollout returns them."""
+    team reward (the episode's outcome), minus `penalty` for an ill-formed answer (the penalty knobs:
+    envs.FORMAT_PENALTY's comment). It replaces the immediate reward the rollout wrote (a*team +
+    local). `trajectories`: the final envs, K per env, as plain_rollout returns them."""
     for s in samples:
         s.team = trajectories[s.env][s.traj].team_reward()
         s.local = -penalty if not s.formatted else 0.0
@@ -388,6 +391,23 @@ def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v:
 LOG_RATIO_CLAMP = 20.0
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    """The loss's knobs: the run's --eps_low ... --entropy_coef (train.py's flags, the same for
+    every policy), read from its cfg by `of`. The defaults: the paper's clip and dual clip, every
+    extra term off."""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float = 3.0   # 0: off
+    kl_coef: float = 0.0     # the KL to a frozen reference
+    tis_cap: float = 0.0     # truncated importance sampling against the sampler
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def of(cls, cfg):
+        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+
+
 @dataclass
 class LossStats:
     """Sums over a micro-batch's response tokens, for the step log."""
@@ -413,13 +433,13 @@ def ppo_clip(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, dual_clip=3.0):
     return loss, clipped > unclipped
 
 
-def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dual_clip=3.0, ref_logp=None,
-             kl_coef=0.0, sampler_logp=None, tis_cap=0.0, entropy=None, entropy_coef=0.0):
+def ppo_loss(logp, old_logp, adv, mask, n_tokens, knobs=LossConfig(), ref_logp=None, sampler_logp=None,
+             entropy=None):
     """The loss of one micro-batch: PPO-clip per token, plus the optional terms (each off by
     default), summed over the real tokens and divided by `n_tokens`, the response tokens of the
     whole optimizer step on every rank, so the gradient does not depend on how samples are cut into
     micro-batches or ranks (a token-mean). Shapes: logp, old_logp, mask, ref_logp, sampler_logp,
-    entropy [B, T]; adv [B] or [B, T]. Returns (loss, stats).
+    entropy [B, T]; adv [B] or [B, T]; `knobs` a LossConfig. Returns (loss, stats).
 
       x min(exp(old_logp - sampler_logp), tis_cap)   truncated importance sampling: the engine sampled the tokens
                                                      (bf16 vLLM on GPU), not the trainer's pi_old
@@ -428,16 +448,17 @@ def ppo_loss(logp, old_logp, adv, mask, n_tokens, eps_low=0.2, eps_high=0.2, dua
       - entropy_coef x entropy                       an entropy bonus (verl's entropy_coeff)
     """
     adv = adv if adv.dim() == 2 else adv[:, None]
-    per_token, clip_active = ppo_clip(logp, old_logp, adv, eps_low, eps_high, dual_clip)
-    if tis_cap and sampler_logp is not None:
-        per_token = per_token * torch.exp(old_logp - sampler_logp).clamp(max=tis_cap).detach()
+    per_token, clip_active = ppo_clip(logp, old_logp, adv, knobs.eps_low, knobs.eps_high,
+                                      knobs.dual_clip)
+    if knobs.tis_cap and sampler_logp is not None:
+        per_token = per_token * torch.exp(old_logp - sampler_logp).clamp(max=knobs.tis_cap).detach()
     kl = torch.zeros_like(logp)
     if ref_logp is not None:
         q = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl = torch.exp(q) - q - 1
-        per_token = per_token + kl_coef * kl
-    if entropy is not None and entropy_coef:
-        per_token = per_token - entropy_coef * entropy
+        per_token = per_token + knobs.kl_coef * kl
+    if entropy is not None and knobs.entropy_coef:
+        per_token = per_token - knobs.entropy_coef * entropy
     m = mask.float()
     loss = (per_token * m).sum() / n_tokens
     with torch.no_grad():

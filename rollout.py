@@ -52,7 +52,7 @@ def every_role(**settings):
 class Sample:
     """One model call and what it earned: the unit the trainer groups and trains on."""
     policy: int          # index of the policy that produced it (role -> policy map)
-    env: int             # env index within this rank's batch
+    env: int             # env index in this rollout (train.Rollouts.more: past the step's earlier envs)
     role: str
     turn: int
     traj: int            # trajectory index within the env (plain rollouts); 0 for tree rollouts

@@ -2878,9 +2878,9 @@ def test_ppo_loss_clip_regions_by_hand():
     loss, st = G.ppo_loss(lp, old, neg, mask, n_tokens=4)
     # A<0: max(r, clip(r)) = 0.8, 1.5, 1.1, 5.0 ; dual clip caps at c=3 -> 0.8, 1.5, 1.1, 3.0
     assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 3.0) / 4) and st.clip_tokens == 1
-    loss, _ = G.ppo_loss(lp, old, neg, mask, n_tokens=4, dual_clip=0)
+    loss, _ = G.ppo_loss(lp, old, neg, mask, n_tokens=4, knobs=G.LossConfig(dual_clip=0))
     assert loss.item() == pytest.approx((0.8 + 1.5 + 1.1 + 5.0) / 4)
-    loss, _ = G.ppo_loss(lp, old, pos, mask, n_tokens=4, eps_high=0.28)  # clip-higher
+    loss, _ = G.ppo_loss(lp, old, pos, mask, n_tokens=4, knobs=G.LossConfig(eps_high=0.28))  # clip-higher
     assert loss.item() == pytest.approx((-0.5 - 1.28 - 1.1 - 1.28) / 4)
     # gradient: clipped tokens get none
     lp2 = lp.clone().requires_grad_()
@@ -2896,7 +2896,8 @@ def test_log_ratio_clamp_keeps_a_broken_step_finite():
     lp = torch.tensor([[-0.5, 99.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-0.6, -1.0, -1.0]])
     adv, mask = torch.tensor([[1.0, 0.0, -1.0]]), torch.ones(1, 3)
-    loss, st = G.ppo_loss(lp, old, adv, mask, 3, ref_logp=torch.tensor([[-0.5, -200.0, -1.0]]), kl_coef=0.1)
+    ref = torch.tensor([[-0.5, -200.0, -1.0]])
+    loss, st = G.ppo_loss(lp, old, adv, mask, 3, G.LossConfig(kl_coef=0.1), ref_logp=ref)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all() and st.clamped_tokens == 1
     fine = torch.tensor([[-0.5, -0.9, -1.0]])
@@ -2914,11 +2915,11 @@ def test_truncated_importance_sampling_by_hand():
     r = [math.exp(0.1), math.exp(-0.1)]  # inside the clip range: the plain -A*ratio term
     for cap, w in ((2.0, [math.exp(0.4), math.exp(-0.9)]), (1.2, [1.2, math.exp(-0.9)])):
         logp.grad = None
-        loss, _ = G.ppo_loss(logp, old, adv, mask, 2, sampler_logp=slp, tis_cap=cap)
+        loss, _ = G.ppo_loss(logp, old, adv, mask, 2, G.LossConfig(tis_cap=cap), sampler_logp=slp)
         assert loss.item() == pytest.approx(-(r[0] * w[0] + r[1] * w[1]) / 2, rel=1e-6)
         loss.backward()
         assert logp.grad[0].tolist() == pytest.approx([-r[0] * w[0] / 2, -r[1] * w[1] / 2], rel=1e-6)
-    plain, _ = G.ppo_loss(logp, old, adv, mask, 2, sampler_logp=slp, tis_cap=0.0)
+    plain, _ = G.ppo_loss(logp, old, adv, mask, 2, G.LossConfig(tis_cap=0.0), sampler_logp=slp)
     assert plain.item() == pytest.approx(-(r[0] + r[1]) / 2, rel=1e-6)
 
 
@@ -2928,12 +2929,13 @@ def test_entropy_bonus_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.1, 2.0]]))  # ratios 0.5, 1.1, 2.0 (old = 0)
     ent = torch.tensor([[0.3, 0.9, 5.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: neither term counts
-    loss, st = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.1)
+    old, adv = torch.zeros(1, 3), torch.tensor([1.0])
+    loss, st = G.ppo_loss(lp, old, adv, mask, 2, G.LossConfig(entropy_coef=0.1), entropy=ent)
     assert loss.item() == pytest.approx((-0.5 - 1.1) / 2 - 0.1 * (0.3 + 0.9) / 2)
     assert st.entropy_sum == pytest.approx(1.2)
     loss.backward()
     assert ent.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
-    off, _ = G.ppo_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 2, entropy=ent, entropy_coef=0.0)
+    off, _ = G.ppo_loss(lp, old, adv, mask, 2, G.LossConfig(entropy_coef=0.0), entropy=ent)
     assert off.item() == pytest.approx((-0.5 - 1.1) / 2)
 
 
@@ -2943,11 +2945,11 @@ def test_k3_kl_nonnegative_and_zero_when_equal():
     ref = torch.randn(3, 7, generator=g)
     mask = torch.ones(3, 7)
     adv = torch.zeros(3)
-    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=ref, kl_coef=1.0)
+    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, G.LossConfig(kl_coef=1.0), ref_logp=ref)
     assert st.kl_sum > 0
     r = ref - lp
     assert ((torch.exp(r) - r - 1) >= 0).all()
-    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, ref_logp=lp.clone(), kl_coef=1.0)
+    _, st = G.ppo_loss(lp, lp.detach(), adv, mask, 21, G.LossConfig(kl_coef=1.0), ref_logp=lp.clone())
     assert st.kl_sum == 0.0
 
 
@@ -3044,7 +3046,8 @@ def test_packed_rows_equal_per_sample_rows(seed):
         m.zero_grad()
         bt = batching.collate(rows, torch.device("cpu"))
         lp = T.row_logprobs(m, bt)
-        loss, _ = G.ppo_loss(lp, lp.detach() + 0.05, bt.adv, bt.w, float(bt.w.sum()), sampler_logp=bt.slp, tis_cap=2.0)
+        loss, _ = G.ppo_loss(lp, lp.detach() + 0.05, bt.adv, bt.w, float(bt.w.sum()), G.LossConfig(tis_cap=2.0),
+                             sampler_logp=bt.slp)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
     assert abs(grads[0][0] - grads[1][0]) <= 1e-5
@@ -4394,8 +4397,10 @@ def test_an_algo_entry_missing_a_field_fails_at_import():
     for name in whole:
         with pytest.raises(TypeError, match=f"'{name}'"):
             G.Algo(**{k: v for k, v in whole.items() if k != name})
-    with pytest.raises(TypeError, match="no key"):  # only a scheme with its own groups (gigpo's) goes without
-        G.Algo(**{**whole, "key": None})
+    # a key or groups of its own (gigpo's), never both, never neither: advantages dispatches on it
+    for broken in ({"key": None}, {"anchor_groups": True}):
+        with pytest.raises(TypeError, match="not both, not neither"):
+            G.Algo(**{**whole, **broken})
 
 
 @pytest.mark.train

@@ -34,7 +34,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
 import torch
@@ -245,6 +245,12 @@ class UpdateStats:
     opt_steps: int = 0
     skipped: int = 0             # optimizer steps not applied: a non-finite loss or gradient
 
+    def add(self, loss, st):
+        """One micro-batch's loss and its LossStats."""
+        self.loss += loss
+        for f in fields(st):
+            setattr(self, f.name, getattr(self, f.name) + getattr(st, f.name))
+
 
 def row_logprobs(model, b, entropy=False):
     """Per-token log-probs [B, T] of a collated batch, each at the temperature it was sampled at;
@@ -252,6 +258,20 @@ def row_logprobs(model, b, entropy=False):
     out = model(b.ids, targets=b.tgt, temperature=b.temp, position_ids=b.pos, mask=b.attn,
                 select=b.sel, entropy=entropy)
     return (out[..., 0], out[..., 1]) if entropy else out
+
+
+def set_old_logprobs(model, chunks, cfg, device, flex):
+    """pi_old of the step's later mini-batches: the trainer's log-probs before the step's first
+    update (not the sampler's), written to each row's `old`. The first mini-batch needs no pass:
+    its own log-probs are pi_old until its optimizer step (update_policy detaches them)."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
+                # FSDP2 computes in bf16 on GPU
+                logps = row_logprobs(model, collate(mb, device, flex))
+                for row, logp in zip(mb, logps):
+                    if row is not DUMMY:
+                        row.old = logp[:len(row.tgt)]
 
 
 def update_policy(model, opt, samples, cfg, world, device, ref=None):
@@ -267,16 +287,8 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
     chunks = [make_rows(c, cfg["pack"]) for c in split_minibatches(samples, n_mini, cfg["split"])]
     flex = cfg["pack"] and device.type == "cuda"  # flex attention at bucketed shapes (bucket_length)
     stats = UpdateStats(trained_tokens=float(sum(len(r.ids) for c in chunks for r in c)))
-    # pi_old: the trainer's log-probs before the first update (not the sampler's); the first
-    # mini-batch's are its own, detached below (verl dp_actor.py: when there is one mini-batch)
-    with torch.no_grad():
-        for chunk in chunks[1:]:
-            for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
-                # FSDP2 computes in bf16 on GPU
-                logps = row_logprobs(model, collate(mb, device, flex))
-                for row, logp in zip(mb, logps):
-                    if row is not DUMMY:
-                        row.old = logp[:len(row.tgt)]
+    set_old_logprobs(model, chunks[1:], cfg, device, flex)
+    knobs = G.LossConfig.of(cfg)
     for chunk in chunks:
         # the token-mean's denominator: every response token of this optimizer step, on every rank
         n_tokens = C.all_sum([float(sum(len(r.tgt) for r in chunk))])[0]
@@ -285,26 +297,20 @@ def update_policy(model, opt, samples, cfg, world, device, ref=None):
         for mb in micro_batches(chunk, cfg["micro_batch_tokens"], C.all_max, bucket=flex):
             b = collate(mb, device, flex)
             entropy = None
-            if cfg["entropy_coef"]:
+            if knobs.entropy_coef:
                 logp, entropy = row_logprobs(model, b, entropy=True)
             else:
                 logp = row_logprobs(model, b)
+            # pi_old: before the step's first update logp is it (verl dp_actor.py, one mini-batch)
             old = logp.detach() if b.old is None else b.old
             ref_logp = None
             if ref is not None:
                 with torch.no_grad():
                     ref_logp = row_logprobs(ref, b)
-            loss, st = ppo_loss(logp, old, b.adv, b.w, n_tokens, cfg["eps_low"], cfg["eps_high"],
-                                cfg["dual_clip"], ref_logp, cfg["kl_coef"], sampler_logp=b.slp,
-                                tis_cap=cfg["tis_cap"], entropy=entropy, entropy_coef=cfg["entropy_coef"])
+            loss, st = ppo_loss(logp, old, b.adv, b.w, n_tokens, knobs, ref_logp, b.slp, entropy)
             # FSDP averages gradients over ranks; the mean already spans them
             (loss * world).backward()
-            stats.loss += loss.item()
-            stats.tokens += st.tokens
-            stats.clip_tokens += st.clip_tokens
-            stats.clamped_tokens += st.clamped_tokens
-            stats.kl_sum += st.kl_sum
-            stats.entropy_sum += st.entropy_sum
+            stats.add(loss.item(), st)
             stats.dlogp += ((old - b.slp).abs() * b.w).sum().item()  # sampler vs trainer
             stats.sampled_nll -= (b.slp * b.w).sum().item()
         params = [q for g in opt.param_groups for q in g["params"]]
@@ -461,7 +467,7 @@ class Rollouts:
     def __init__(self, cfg, agents, tasks, rng):
         self.cfg, self.agents, self.tasks, self.rng = cfg, agents, tasks, rng
         self.generated, self.timer = [], {}
-        self.envs, self.solved, self.episodes = 0, 0, 0
+        self.envs_so_far, self.solved, self.episodes = 0, 0, 0
 
     def more(self, n_envs):
         cfg = self.cfg
@@ -481,8 +487,8 @@ class Rollouts:
                            cfg["invalid_penalty"])  # --reward outcome; grpo's returns
             episodes = [e for ts in trajs for e in ts]
         for s in samples:
-            s.env += self.envs
-        self.envs += n_envs
+            s.env += self.envs_so_far
+        self.envs_so_far += n_envs
         self.solved += sum(e.success for e in episodes)
         self.episodes += len(episodes)
         self.generated += samples
@@ -516,6 +522,10 @@ def trained_roles(cfg, roles, step):
     if cfg["alternate_every"]:
         return {chosen[(step // cfg["alternate_every"]) % len(chosen)]}
     return set(chosen)
+
+
+# the stops that evaluate their last step (a signal stops at once: no evaluation)
+EVALUATED = ("non-finite", "steps", "time")
 
 
 def stop_reason(cfg, last, bad_steps, run_seconds):
@@ -590,13 +600,13 @@ def main(argv):
         schedule.follow_clock(step, step - start.step, time.time() - t_loop)  # --lr_clock (off)
 
         # --- collect: this rank's share of the step's fresh envs, rolled out
-        batch = collect(cfg, step, rank, agents, tasks, envs_per_rank)
+        collected = collect(cfg, step, rank, agents, tasks, envs_per_rank)
 
         # --- advantages: the group key and the normalized value of --algo
-        samples, groups = G.advantages(batch.samples, scheme, step, C.all_sum)
+        samples, groups = G.advantages(collected.samples, scheme, step, C.all_sum)
         trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every
         samples = [s for s in samples if s.role in trained]
-        clock.lap("rollout")
+        clock.lap("rollout")  # the advantages included
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: engines sleep)
         for engine in P.distinct_engines(engines):
@@ -611,7 +621,7 @@ def main(argv):
         clock.lap("sync")
 
         # --- log, evaluate, checkpoint
-        mine = steplog.rank_stats(cfg, batch, samples, groups, updates, clock)
+        mine = steplog.rank_stats(cfg, collected, samples, groups, updates, clock)
         rec = steplog.step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, master,
                                   schedule)
         rec["time"] = time.time() - t_run
@@ -621,7 +631,7 @@ def main(argv):
         if master:
             print(steplog.step_line(rec, roles, len(pols), eta), flush=True)
         reason = stop_reason(cfg, last, bad_steps, time.time() - t_run)  # "": go on
-        if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or reason not in ("", "signal")):
+        if cfg["eval_every"] and (last % cfg["eval_every"] == 0 or reason in EVALUATED):
             res = held_out(test_envs, agents, cfg, last, rank, world, master)
             rec.update(eval_success=res["accuracy"], eval_ci=res["ci"])
         log.write(rec)
