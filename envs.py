@@ -168,7 +168,7 @@ class GridGame(Env):
     rewards."""
     roles_mas = ("tool", "plan")
     answer_fmt = ""
-    fail_reward = -2.0  # an unparsable or illegal answer (every penalty knob: at FORMAT_PENALTY)
+    fail_reward = -2.0  # an unparsable or illegal answer (all penalty knobs: beside FORMAT_PENALTY)
 
     def __init__(self, workflow="mas", compact=False):
         super().__init__()
