@@ -1993,7 +1993,7 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tin
     """--sudoku_wrong_fill R (real models: the spec's +0.1 for any legal fill; the tiny Sudoku preset: -0.3, issue
     77's deviation): a legal fill off the solution (the test's own exhaustive solver) earns R, a right fill still
     +0.1 and an illegal one -0.3; at 0.1 the wrong legal fill earns +0.1. The flag is Sudoku's only, and reaches the
-    training envs (docs/sudoku_solution_reward.py, the counterfactual that measured -0.3, now runs it)."""
+    training envs (the tiny Sudoku default is what docs/sudoku_solution_reward.py ran: the script is gone)."""
     import train as T
     cases = 0
     for n, env in enumerate(E.test_set("sudoku", n=40, compact=True)):
