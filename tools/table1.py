@@ -28,6 +28,9 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     "mas_grpo": ("two agents + GRPO (trajectory)", ["--algo", "grpo"]),
     "mas_at_grpo": ("two agents + AT-GRPO, shared", []),
     "mas_at_grpo_per_role": ("two agents + AT-GRPO, per role", ["--policies", "per_role"]),
+    # not rows of the paper's Table 1: the other credit schemes on the same seeds (results.md, "Credit schemes")
+    "mas_dr_mas": ("two agents + Dr. MAS (agent-wise normalization)", ["--algo", "dr_mas"]),
+    "mas_gigpo": ("two agents + GiGPO", ["--algo", "gigpo"]),
 }
 # the rewards beside a game's tiny default: tiny Sudoku charges a wrong legal fill -0.3 (issue 77's deviation,
 # a flag); the spec pays it +0.1, as a right one. reward: train.py's flags that give it
@@ -103,6 +106,12 @@ def table(game, seeds, steps, reward=""):
         values = [v for v in values if v is not None]  # runs short of the budget: not yet
         n = got[0][2] if got else 0
         print(f"| {name} | {cell(values, n, len(seeds))} | {'-' if paper is None else paper[GAMES.index(game)]} |")
+    for row, (name, _) in ROWS.items():  # the rows beside the paper's, where run
+        paths = [folder(game, row, s, reward) for s in seeds]
+        got = [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+        values = [g[1] for g in got if g[1] is not None]
+        if name not in PAPER and values:
+            print(f"| {name} | {cell(values, got[0][2], len(seeds))} | - |")
 
 
 if __name__ == "__main__":
