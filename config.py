@@ -81,7 +81,8 @@ def fit_sampling(cfg, prefix, context):
     """Each role's Sampling (cfg["role_sampling"], or role_eval_sampling for prefix "eval_"), its
     response budget and the engine's context fitted to the model's context (fit_context);
     the flag max_new_tokens becomes the largest role's budget (the memory plan's). Writes four
-    keys of cfg: max_model_len, max_prompt_tokens, PREFIX + max_new_tokens and the Sampling's."""
+    keys of cfg: max_model_len, max_prompt_tokens, PREFIX + max_new_tokens and the Sampling's
+    key above."""
     sampling = role_sampling(cfg, prefix)
     longest = max(s.max_new_tokens for s in sampling.values())
     cfg["max_model_len"], cfg["max_prompt_tokens"], fitted = fit_context(

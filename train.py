@@ -248,7 +248,7 @@ class UpdateStats:
     skipped: int = 0             # optimizer steps not applied: a non-finite loss or gradient
 
     def add(self, loss, st):
-        """One micro-batch's loss and its LossStats."""
+        """One micro-batch's loss and its LossStats (whose fields are a subset of these)."""
         self.loss += loss
         for f in fields(st):
             setattr(self, f.name, getattr(self, f.name) + getattr(st, f.name))
