@@ -493,7 +493,7 @@ def check(cfg, given):
         for value in flag_values(cfg, name):
             if not holds(value):
                 raise SystemExit(f"--{name} {value}: use {instead}")
-    check_task(cfg)
+    check_task(cfg, given)
     check_method(cfg, given)
     check_search(cfg)
     check_model(cfg)
@@ -513,8 +513,9 @@ def check_cache(cfg):
                          f"set {tiny.CACHE_ENV} to a folder you can write")
 
 
-def check_task(cfg):
-    """The task, its workflow and roles, and what scoring it needs installed."""
+def check_task(cfg, given):
+    """The task, its workflow and roles, what scoring it needs installed, and the flags one game
+    reads (a value from a preset, not in `given`, is named as the preset's)."""
     try:
         E.check_task(cfg["task"], cfg["workflow"])
     except ValueError as e:
@@ -528,6 +529,9 @@ def check_task(cfg):
         raise SystemExit("--task math scores answers with math-verify, which is not installed: run "
                          "./setup.sh, or pip install math-verify")
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
+        if "sudoku_wrong_fill" not in given:  # Sudoku's preset named on another task
+            raise SystemExit(f"--preset {cfg['preset']} sets Sudoku's reward for a wrong legal fill, "
+                             f"not {cfg['task']!r}'s: drop --preset (--task picks its own)")
         raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
                          f"{cfg['task']!r}'s: drop it")
     if cfg["sokoban_walk_shaping"] and cfg["task"] != "sokoban":

@@ -2016,6 +2016,9 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tin
     assert cases >= 20
     with pytest.raises(SystemExit, match="^--sudoku_wrong_fill is Sudoku's .* not 'plan''s: drop it"):
         T.configure(["--sudoku_wrong_fill", "-0.3"])
+    # the charge set by Sudoku's preset on another task names the preset, not a flag the user did not give
+    with pytest.raises(SystemExit, match="^--preset tiny-sudoku sets Sudoku's .* not 'plan''s: drop --preset"):
+        T.configure(["--preset", "tiny-sudoku", "--task", "plan"])
     for bad in ("-3", "1e30", "nan"):
         with pytest.raises(SystemExit, match="^--sudoku_wrong_fill [-0-9.e+na]+: use a"):
             T.configure(["--task", "sudoku", "--sudoku_wrong_fill", bad])
