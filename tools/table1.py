@@ -6,7 +6,6 @@ default of each game, on seeds never used to choose a setting, at one budget of 
     python tools/table1.py table --game plan --seeds 5101,5102,5103                   # the table from the folders
     python tools/table1.py run --game sudoku --row single_grpo --seeds 5201 --reward spec  # the spec's reward
 
-
 A cell's runs: `python train.py --task GAME --seed S --stop_step STEPS --time_limit_min 0 --eval_every STEPS
 --engine vllm --out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another (`--reward R`: the game's REWARDS[R]
 flags added, in runs/table1/GAME-ROW-R-sS). The prompt-only rows are each trained
