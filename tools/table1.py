@@ -91,6 +91,12 @@ def cell(values, n, of):
             f"({100 * lo:.0f}-{100 * hi:.0f}){fewer}")
 
 
+def runs_of(game, row, seeds, steps, reward):
+    """evals() of each seed's run of a cell that exists."""
+    paths = [folder(game, row, s, reward) for s in seeds]
+    return [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+
+
 def table(game, seeds, steps, reward=""):
     prompt = {"prompt, single agent": "single_grpo", "prompt, two agents": "mas_at_grpo"}
     at = f", reward {reward}: {' '.join(REWARDS[game][reward])}" if reward else ""
@@ -99,15 +105,13 @@ def table(game, seeds, steps, reward=""):
     print("|---|---|---|")
     for name, paper in PAPER.items():
         row = prompt.get(name) or next(r for r, (label, _) in ROWS.items() if label == name)
-        paths = [folder(game, row, s, reward) for s in seeds]
-        got = [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+        got = runs_of(game, row, seeds, steps, reward)
         values = [g[0] if name in prompt else g[1] for g in got]
         values = [v for v in values if v is not None]  # runs short of the budget: not yet
         n = got[0][2] if got else 0
         print(f"| {name} | {cell(values, n, len(seeds))} | {'-' if paper is None else paper[GAMES.index(game)]} |")
     for row, (name, _) in ROWS.items():  # the rows beside the paper's, where run
-        paths = [folder(game, row, s, reward) for s in seeds]
-        got = [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+        got = runs_of(game, row, seeds, steps, reward)
         values = [g[1] for g in got if g[1] is not None]
         if name not in PAPER and values:
             print(f"| {name} | {cell(values, got[0][2], len(seeds))} | - |")
@@ -115,9 +119,17 @@ def table(game, seeds, steps, reward=""):
 
 if __name__ == "__main__":
     args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+    game, reward = args.get("--game", ""), args.get("--reward", "")
+    if game not in GAMES or "--seeds" not in args:
+        raise SystemExit(f"--game {game!r}: use one of {', '.join(GAMES)}, with --seeds S,S,...")
+    if reward and reward not in REWARDS.get(game, {}):
+        beside = ", ".join(REWARDS.get(game, {})) or "none"
+        raise SystemExit(f"--reward {reward}: {game} has {beside} beside its default")
+    if sys.argv[1] == "run" and args.get("--row") not in ROWS:
+        raise SystemExit(f"--row {args.get('--row')}: use one of {', '.join(ROWS)}")
     seeds = [int(s) for s in args["--seeds"].split(",")]
-    steps = int(args.get("--steps", STEPS[args["--game"]]))
+    steps = int(args.get("--steps", STEPS[game]))
     if sys.argv[1] == "run":
-        run(args["--game"], args["--row"], seeds, steps, args.get("--reward", ""))
+        run(game, args["--row"], seeds, steps, reward)
     else:
-        table(args["--game"], seeds, steps, args.get("--reward", ""))
+        table(game, seeds, steps, reward)
