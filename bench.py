@@ -519,8 +519,9 @@ SHARE_SETTINGS = {  # name: (environment, torch threads). libgomp spins GOMP_SPI
     # ~ms) after each parallel region before it sleeps; OMP_WAIT_POLICY=PASSIVE sleeps at once
     "spin 300k, 2 threads (before)": ({"GOMP_SPINCOUNT": "300000"}, 2),
     "passive, 2 threads": ({"OMP_WAIT_POLICY": "PASSIVE"}, 2),
-    "spin 30k, 2 threads": ({"GOMP_SPINCOUNT": "30000"}, 2),
     "spin 10k, 2 threads": ({"GOMP_SPINCOUNT": "10000"}, 2),
+    "spin 10k, 1 thread": ({"GOMP_SPINCOUNT": "10000"}, 1),
+    "passive, 1 thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
 }
 BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
 
@@ -625,7 +626,7 @@ def bench_step(engines=("vllm", "torch"), repeats=8):
 
 def share_child(kind, threads_n, repeats):
     """In a child process: the median seconds of `kind`'s parts (printed as one JSON line). warmup: the tiny base's
-    format warm-up step (32 compact Plan-Path pairs). step: the CPU default's step on the vLLM engine: collect
+    format warm-up step (32 compact Plan-Path pairs). step: the CPU default's step on its engine (torch): collect
     (generation, the env, the refill), the update, the weight sync."""
     import random
     import train as T
@@ -645,11 +646,12 @@ def share_child(kind, threads_n, repeats):
         tiny.sft_step(m, opt, batches[0])  # the first step allocates
         parts["warmup_step"] = [timeit(lambda b=b: tiny.sft_step(m, opt, b), 1) for b in batches[1:]]
     else:
-        parts = {k: v for k, v in default_steps("vllm", repeats).items() if k in ("collect", "update", "sync", "step")}
+        parts = {k: v for k, v in default_steps(cfg["engine"], repeats).items()
+                 if k in ("collect", "update", "sync", "step")}
     print("SHARE " + json.dumps({k: statistics.median(v) for k, v in parts.items()}), flush=True)
 
 
-SHARE_PLAN = {"warmup": ((0, 2, 4), 8), "step": ((0, 4), 4)}  # kind: (busy processes beside it, timed repeats)
+SHARE_PLAN = {"warmup": ((0, 2, 4), 8), "step": ((0, 2, 4), 4)}  # kind: (busy processes beside it, timed repeats)
 
 
 def bench_share(plan=SHARE_PLAN):
