@@ -30,6 +30,9 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     # not rows of the paper's Table 1: the other credit schemes on the same seeds (results.md, "Credit schemes")
     "mas_dr_mas": ("two agents + Dr. MAS (agent-wise normalization)", ["--algo", "dr_mas"]),
     "mas_gigpo": ("two agents + GiGPO", ["--algo", "gigpo"]),
+    # the role table (results.md, "Each agent specialises"): one model per role, the other frozen at its base
+    "per_role_plan_only": ("per role, only the plan agent trains", ["--policies", "per_role", "--train_roles", "plan"]),
+    "per_role_tool_only": ("per role, only the tool agent trains", ["--policies", "per_role", "--train_roles", "tool"]),
 }
 # the rewards beside a game's tiny default: tiny Sudoku charges a wrong legal fill -0.3 (issue 77's deviation,
 # a flag); the spec pays it +0.1, as a right one. reward: train.py's flags that give it
