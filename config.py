@@ -529,9 +529,6 @@ def check_task(cfg, given):
         raise SystemExit("--task math scores answers with math-verify, which is not installed: run "
                          "./setup.sh, or pip install math-verify")
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
-        if "sudoku_wrong_fill" not in given:  # Sudoku's preset named on another task
-            raise SystemExit(f"--preset {cfg['preset']} sets Sudoku's reward for a wrong legal fill, "
-                             f"not {cfg['task']!r}'s: drop --preset (--task picks its own)")
         raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
                          f"{cfg['task']!r}'s: drop it")
     if cfg["sokoban_walk_shaping"] and cfg["task"] != "sokoban":

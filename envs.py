@@ -529,6 +529,11 @@ def sudoku_solutions(grid, limit=2):
     return out
 
 
+# the 4x4 grid's 12 units: rows, columns, 2x2 boxes, as lists of (r, c)
+SUDOKU_UNITS = ([[(r, c) for c in range(4)] for r in range(4)] + [[(r, c) for r in range(4)] for c in range(4)]
+                + [[(r, c) for r in range(br, br + 2) for c in range(bc, bc + 2)] for br in (0, 2) for bc in (0, 2)])
+
+
 def sudoku_valid(g):
     """A full 4x4 grid with every row, column and 2x2 box a permutation of 1..4."""
     units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
@@ -564,19 +569,39 @@ class Sudoku(GridGame):
 
     def summary(self):
         """Compact mode's view: one character per cell in reading order, the digit of a filled cell,
-        or for an empty cell the set of digits its row, column and box still allow, as a letter
-        (bitmask - 1: a={1}, b={2}, c={1,2}, d={3}, ..., h={4}, ..., o={1,2,3,4}; '!' none left),
-        e.g. '1d3b4hcc...'. Same information as the grid (the candidates follow from it), aligned
-        with the 16-digit answer, so a tiny model learns it in minutes."""
+        or for an empty cell its candidates (`candidates`) as a letter (bitmask - 1: a={1}, b={2},
+        c={1,2}, d={3}, ..., h={4}, ..., o={1,2,3,4}; '!' none left), e.g. '1d3b4hcc...'. Same
+        information as the grid (the candidates follow from it), aligned with the 16-digit answer,
+        so a tiny model learns it in minutes."""
+        cand = self.candidates(self.grid)
         out = ""
         for r in range(4):
             for c in range(4):
                 if self.grid[r][c]:
                     out += str(self.grid[r][c])
                     continue
-                mask = sum(1 << (v - 1) for v in range(1, 5) if self.legal(self.grid, r, c, v))
+                mask = sum(1 << (v - 1) for v in cand[r, c])
                 out += chr(ord("a") + mask - 1) if mask else "!"
         return out
+
+    @classmethod
+    def candidates(cls, g):
+        """{(r, c): digits} for each empty cell of grid `g`, after Sudoku's two first deductions,
+        one pass each: the digits its row, column and box still allow, then a digit that only one
+        cell of a row, column or box still allows is that cell's only candidate (a cell forced to
+        two digits has none). One pass, not to the end: the view names each next step, never the
+        solution (why: docs/results.md, Sudoku's view)."""
+        cand = {(r, c): {v for v in range(1, 5) if cls.legal(g, r, c, v)}
+                for r in range(4) for c in range(4) if not g[r][c]}
+        forced = {}  # cell -> the digits it is the only place for, in some unit
+        for unit in SUDOKU_UNITS:
+            for v in range(1, 5):
+                places = [rc for rc in unit if v in cand.get(rc, ())]
+                if len(places) == 1 and all(g[r][c] != v for r, c in unit):
+                    forced.setdefault(places[0], set()).add(v)
+        for rc, digits in forced.items():
+            cand[rc] = digits if len(digits) == 1 else set()
+        return cand
 
     def observe(self, role):
         """Compact mode: the view line last (a fixed distance from the answer that it aligns with),
@@ -594,12 +619,13 @@ class Sudoku(GridGame):
 
     def random_answer(self, role, rng, max_moves=4):
         """The format warm-up's answer (tiny.py): a 16-digit grid (0 = no answer) filling 1..max_moves
-        random empty cells, each with a random digit its row, column and box still allow after the
-        fills before it: the rules, not the solution."""
+        random empty cells, each with a random digit of the view's candidates for it that its row,
+        column and box still allow after the fills before it: the rules, not the solution."""
         cells, g = ["0"] * 16, [row[:] for row in self.grid]
+        shown = self.candidates(self.grid)  # the view's letters
         empty = [(r, c) for r in range(4) for c in range(4) if not g[r][c]]
         for r, c in rng.sample(empty, min(len(empty), rng.randint(1, max_moves))):
-            cand = [v for v in range(1, 5) if self.legal(g, r, c, v)]
+            cand = [v for v in sorted(shown[r, c]) if self.legal(g, r, c, v)]
             if cand:
                 g[r][c] = rng.choice(cand)
                 cells[4 * r + c] = str(g[r][c])

@@ -1476,6 +1476,35 @@ def solve_sokoban(env):
     return None
 
 
+def _dup_free(g):
+    units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
+    units += [[g[r][c] for r in (br, br + 1) for c in (bc, bc + 1)] for br in (0, 2) for bc in (0, 2)]
+    return all(len([v for v in u if v]) == len({v for v in u if v}) for u in units)
+
+
+def _allowed(g, r, c):
+    """The digits that keep every row, column and box of `g` duplicate-free when placed at (r, c)."""
+    out = set()
+    for v in range(1, 5):
+        h = [row[:] for row in g]
+        h[r][c] = v
+        if _dup_free(h):
+            out.add(v)
+    return out
+
+
+def brute_sudoku_candidates(g, r, c):
+    """The compact view's candidates for empty cell (r, c), by brute force: the allowed digits, narrowed to those
+    no other empty cell of one of its row, column or box allows (when there are such)."""
+    units = ([(r, j) for j in range(4)], [(i, c) for i in range(4)],
+             [(i, j) for i in range(r // 2 * 2, r // 2 * 2 + 2) for j in range(c // 2 * 2, c // 2 * 2 + 2)])
+    cands = _allowed(g, r, c)
+    only = {v for v in cands if any(all(g[i][j] != v for i, j in u) and
+                                    [(i, j) for i, j in u if not g[i][j] and v in _allowed(g, i, j)] == [(r, c)]
+                                    for u in units)}
+    return only or cands
+
+
 def solve_sudoku(clues):
     """All solutions by exhaustive search over rows, each row a permutation of 1..4 that keeps its clues
     (a different search from envs' cell-by-cell backtracking)."""
@@ -1624,22 +1653,8 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
     seen_other = 0
     for env in E.test_set("sudoku", n=40, compact=True):
         sol = solve_sudoku(env.clues)[0]
-        cand = {
-            (r, c): [
-                v
-                for v in range(1, 5)
-                if all(env.grid[r][j] != v for j in range(4))
-                and all(env.grid[i][c] != v for i in range(4))
-                and all(
-                    env.grid[i][j] != v
-                    for i in range(r // 2 * 2, r // 2 * 2 + 2)
-                    for j in range(c // 2 * 2, c // 2 * 2 + 2)
-                )
-            ]
-            for r in range(4)
-            for c in range(4)
-            if not env.grid[r][c]
-        }
+        cand = {(r, c): sorted(brute_sudoku_candidates(env.grid, r, c))
+                for r in range(4) for c in range(4) if not env.grid[r][c]}
         ncand = {rc: len(v) for rc, v in cand.items()}
         singles = [rc for rc, n in ncand.items() if n == 1]
         answer = "".join(str(sol[r][c]) if (r, c) in singles else "0" for r in range(4) for c in range(4))
@@ -1656,7 +1671,20 @@ def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
                 break
     assert seen_other > 10
     assert cells.cell_counts(env, "12") == {("answer", "unparseable"): 1}
+    # a wrong digit left on the grid: a legal fill off the brute-force solution counts, a right one does not
+    env = E.test_set("sudoku", n=1, compact=True)[0]
+    sol = solve_sudoku(env.clues)[0]
+    i, j = next((i, j) for i in range(4) for j in range(4) if not env.grid[i][j])
+    assert cells.wrong_digits(env) == 0
+    env.apply([(i, j, sol[i][j])])
+    assert cells.wrong_digits(env) == 0 and env.grid[i][j] == sol[i][j]
+    (r, c), wrong = next(((r, c), v) for r in range(4) for c in range(4) for v in range(1, 5)
+                         if not env.grid[r][c] and v != sol[r][c] and env.legal(env.grid, r, c, v))
+    env.apply([(r, c, wrong)])
+    assert cells.wrong_digits(env) == 1
     counts = cells.main(tiny_dir, n=3)
+    fails = counts["episodes"]
+    assert fails["failed"] <= 3 and fails["wrong digit on the grid"] <= fails["failed"]
     for role in ("tool", "plan"):
         assert (
             sum(v for (k, o), v in counts[role].items() if k != "answer") + 16 * counts[role]["answer", "unparseable"]
@@ -1859,19 +1887,17 @@ def test_sokoban_warmup_answers_are_legal_moves_not_solutions():
 
 def test_compact_sudoku_view_lists_each_cells_candidates():
     """The compact Sudoku line: a filled cell's digit, an empty cell's candidate set as a bitmask letter. Checked
-    against a brute-force candidate set (place v, is every row, column and box still duplicate-free?) and the unique
-    solution (always among its cell's candidates). And it is enough: answering each turn with the single-candidate
-    cells (0 elsewhere) through env.step solves every test puzzle within 5 turns, most within the 4 of an episode."""
-    def dup_free(g):
-        units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
-        units += [[g[r][c] for r in (br, br + 1) for c in (bc, bc + 1)] for br in (0, 2) for bc in (0, 2)]
-        return all(len([v for v in u if v]) == len({v for v in u if v}) for u in units)
-    within = {4: 0, 5: 0}
+    against a brute-force candidate set (place v, is every row, column and box still duplicate-free?), narrowed to v
+    where no other empty cell of one of its rows, columns or boxes can take v (brute force again), and the unique
+    solution (always among its cell's candidates). And it is enough, but not the answer: answering each turn with the
+    single-candidate cells (0 elsewhere) through env.step solves no test puzzle in one turn and every one within the
+    3 turns (without the narrowing: 174 of 200 within the episode's 4)."""
+    within = {1: 0, 3: 0}
     tests = E.test_set("sudoku", n=200, compact=True)
     for env in tests:
         sol = solve_sudoku(env.clues)[0]
         e = env.clone()
-        for turn in range(1, 6):
+        for turn in range(1, 4):
             view = e.summary()
             assert len(view) == 16 and e.observe("tool")[0]["content"] == view
             answer = ""
@@ -1881,12 +1907,7 @@ def test_compact_sudoku_view_lists_each_cells_candidates():
                     assert ch == str(e.grid[r][c])
                     answer += "0"
                     continue
-                cands = set()
-                for v in range(1, 5):
-                    g = [row[:] for row in e.grid]
-                    g[r][c] = v
-                    if dup_free(g):
-                        cands.add(v)
+                cands = brute_sudoku_candidates(e.grid, r, c)
                 assert ch == chr(ord("a") + sum(1 << (v - 1) for v in cands) - 1) and sol[r][c] in cands
                 answer += str(next(iter(cands))) if len(cands) == 1 else "0"
             e.step("plan", answer)
@@ -1896,7 +1917,7 @@ def test_compact_sudoku_view_lists_each_cells_candidates():
                     within[t] += turn <= t
                 break
         assert e.success
-    assert within[5] == len(tests) and within[4] >= 0.8 * len(tests), within
+    assert within == {1: 0, 3: len(tests)}, within
     e = tests[0].clone()
     e.step("tool", "1" * 16)
     assert e.observe("plan")[0]["content"] == "1" * 16 + "=no\n" + e.summary()
@@ -1990,10 +2011,10 @@ def test_sudoku_rewards_only_progress():
 
 
 def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tiny_dir):
-    """--sudoku_wrong_fill R (real models: the spec's +0.1 for any legal fill; the tiny Sudoku preset: -0.3, issue
-    77's deviation): a legal fill off the solution (the test's own exhaustive solver) earns R, a right fill still
-    +0.1 and an illegal one -0.3; at 0.1 the wrong legal fill earns +0.1. The flag is Sudoku's only, and reaches the
-    training envs (the tiny Sudoku default is what docs/sudoku_solution_reward.py ran: the script is gone)."""
+    """--sudoku_wrong_fill R (the spec's +0.1 for any legal fill, every preset's since 2026-11-30; the tiny Sudoku
+    preset's -0.3 before, issue 77's deviation): a legal fill off the solution (the test's own exhaustive solver)
+    earns R, a right fill still +0.1 and an illegal one -0.3; at 0.1 the wrong legal fill earns +0.1. The flag is
+    Sudoku's only, and reaches the training envs."""
     import train as T
     cases = 0
     for n, env in enumerate(E.test_set("sudoku", n=40, compact=True)):
@@ -2016,21 +2037,18 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tin
     assert cases >= 20
     with pytest.raises(SystemExit, match="^--sudoku_wrong_fill is Sudoku's .* not 'plan''s: drop it"):
         T.configure(["--sudoku_wrong_fill", "-0.3"])
-    # the charge set by Sudoku's preset on another task names the preset, not a flag the user did not give
-    with pytest.raises(SystemExit, match="^--preset tiny-sudoku sets Sudoku's .* not 'plan''s: drop --preset"):
-        T.configure(["--preset", "tiny-sudoku", "--task", "plan"])
     for bad in ("-3", "1e30", "nan"):
         with pytest.raises(SystemExit, match="^--sudoku_wrong_fill [-0-9.e+na]+: use a"):
             T.configure(["--task", "sudoku", "--sudoku_wrong_fill", bad])
     made = _training_envs(monkeypatch, tmp_path, ["--max_new_tokens", "17", "--task", "sudoku",
                                                   "--sudoku_wrong_fill", "-0.3"])
     assert made and all(env.wrong_fill == -0.3 for env in made)
-    # the tiny Sudoku default charges the wrong guess; a real model keeps the spec's reward; a flag wins
-    assert T.configure(["--task", "sudoku"])["sudoku_wrong_fill"] == -0.3
-    assert T.configure(["--task", "sudoku", "--model", tiny_dir])["sudoku_wrong_fill"] == E.SUDOKU_FILL == 0.1
-    assert T.configure(["--task", "sudoku", "--sudoku_wrong_fill", "0.1"])["sudoku_wrong_fill"] == 0.1
+    # the tiny Sudoku default and a real model both keep the spec's reward; a flag wins
+    assert T.configure(["--task", "sudoku"])["sudoku_wrong_fill"] == E.SUDOKU_FILL == 0.1
+    assert T.configure(["--task", "sudoku", "--model", tiny_dir])["sudoku_wrong_fill"] == 0.1
+    assert T.configure(["--preset", "tiny-sudoku", "--task", "plan"])["sudoku_wrong_fill"] == 0.1
     made = _training_envs(monkeypatch, tmp_path / "tiny", ["--max_new_tokens", "17", "--task", "sudoku"])
-    assert made and all(env.wrong_fill == -0.3 for env in made)
+    assert made and all(env.wrong_fill == 0.1 for env in made)
 
 
 def _training_envs(monkeypatch, tmp_path, flags):
