@@ -70,9 +70,12 @@ def run(game, row, seeds, steps, reward=""):
 
 
 def evals(path, steps):
-    """(held-out success at step 0, at step `steps` or None while the run is short of it, instances)."""
+    """(held-out success at step 0, at step `steps` or None while the run is short of it, instances); None
+    before the step-0 evaluation."""
     recs = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     done = [r for r in recs if "eval_success" in r]
+    if not done:
+        return None
     n = json.load(open(os.path.join(path, "config.json")))["eval_n"]
     last = done[-1]["eval_success"] if done[-1]["step"] == steps else None
     return done[0]["eval_success"], last, n
@@ -95,9 +98,10 @@ def cell(values, n, of):
 
 
 def runs_of(game, row, seeds, steps, reward):
-    """evals() of each seed's run of a cell that exists."""
+    """evals() of each seed's run of a cell that has evaluated its base (a run still warming up has not)."""
     paths = [folder(game, row, s, reward) for s in seeds]
-    return [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+    got = [evals(p, steps) for p in paths if os.path.exists(os.path.join(p, "metrics.jsonl"))]
+    return [g for g in got if g is not None]
 
 
 def table(game, seeds, steps, reward=""):
