@@ -536,9 +536,7 @@ SUDOKU_UNITS = ([[(r, c) for c in range(4)] for r in range(4)] + [[(r, c) for r 
 
 def sudoku_valid(g):
     """A full 4x4 grid with every row, column and 2x2 box a permutation of 1..4."""
-    units = [g[r] for r in range(4)] + [[g[r][c] for r in range(4)] for c in range(4)]
-    units += [[g[r][c] for r in range(br, br + 2) for c in range(bc, bc + 2)] for br in (0, 2) for bc in (0, 2)]
-    return all(sorted(u) == [1, 2, 3, 4] for u in units)
+    return all(sorted(g[r][c] for r, c in unit) == [1, 2, 3, 4] for unit in SUDOKU_UNITS)
 
 
 class Sudoku(GridGame):
