@@ -451,7 +451,7 @@ BOUNDS = [
     ("batch_std_steps", lambda v: v >= 0, "0 (off) or a number of steps"),
     ("std_floor", lambda v: v >= 0, "0 (off) or a floor in reward units, e.g. 0.25"),
     ("sudoku_wrong_fill", lambda v: -2 <= v <= 2, "a reward in [-2, 2] (the spec's 0.1; a solve earns 2)"),
-    ("sokoban_walk_shaping", lambda v: 0 <= v <= 1, "a weight in [0, 1] (0: the spec's reward; its box shaping: 0.1)"),
+    ("sokoban_solve_shaping", lambda v: 0 <= v <= 1, "a weight in [0, 1] (0: the spec's reward; its box shaping: 0.1)"),
     ("lr_steps", lambda v: v >= 0, "0 (the schedule spans --steps) or a number of steps"),
     ("lr_clock", lambda v: 0 <= v <= 1, "a share of --time_limit_min in [0, 1] (0: the schedule by steps)"),
     ("lr_decay", lambda v: 0 <= v <= 1, "a fraction of the schedule in [0, 1]"),
@@ -531,9 +531,9 @@ def check_task(cfg, given):
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
         raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
                          f"{cfg['task']!r}'s: drop it")
-    if cfg["sokoban_walk_shaping"] and cfg["task"] != "sokoban":
-        raise SystemExit(f"--sokoban_walk_shaping shapes Sokoban's walk to the box, not "
-                         f"{cfg['task']!r}'s moves: drop it")
+    if cfg["sokoban_solve_shaping"] and cfg["task"] != "sokoban":
+        raise SystemExit(f"--sokoban_solve_shaping shapes Sokoban's moves, not "
+                         f"{cfg['task']!r}'s: drop it")
     tiny_run = tiny.is_tiny(cfg)
     budget = min(flag_values(cfg, "max_new_tokens"))
     if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:

@@ -355,12 +355,23 @@ class PlanPath(GridGame):
 # Sokoban (one box): reverse play from a solved room, so every instance is solvable
 
 
+SOLVE_CAP = 24  # --sokoban_solve_shaping: a stuck box's distance (the test rooms start <= 9 moves away)
+
+
+class SharedTable(dict):
+    """A table built once per room and never changed: a room's clones share it (a copy costs 5x a build)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class Sokoban(GridGame):
     answer_fmt = 'the moves as a JSON list, e.g. ["U", "R", "R"] (U up, D down, L left, R right)'
 
-    def __init__(self, seed, size=6, reverse_steps=25, workflow="mas", compact=False, walk_shaping=0.0):
+    def __init__(self, seed, size=6, reverse_steps=25, workflow="mas", compact=False, solve_shaping=0.0):
         super().__init__(workflow, compact)
-        self.walk_shaping = walk_shaping  # --sokoban_walk_shaping (0: the spec's reward)
+        self.solve_shaping = solve_shaping  # --sokoban_solve_shaping (0: the spec's reward)
+        self._togo = None  # moves_to_solve's table, built on first use
         rng = random.Random(f"sokoban-{size}-{seed}")
         while True:
             walls = {(r, c) for r in range(size) for c in range(size) if r in (0, size - 1) or c in (0, size - 1)}
@@ -408,10 +419,31 @@ class Sokoban(GridGame):
             push = (0, (gc > bc) - (gc < bc))
         return br - push[0], bc - push[1]
 
-    def walk_potential(self):
-        """--sokoban_walk_shaping's potential: minus the player's Manhattan distance to the push spot."""
-        sr, sc = self.push_spot()
-        return -abs(self.player[0] - sr) - abs(self.player[1] - sc)
+    def moves_to_solve(self):
+        """--sokoban_solve_shaping's distance: the fewest moves from this state to a solve, or
+        SOLVE_CAP when the box is stuck. One backward BFS per room (walks and pulls from every solved
+        state), kept for the room's later states."""
+        if self._togo is None:
+            free = [(r, c) for r in range(self.size) for c in range(self.size) if (r, c) not in self.walls]
+            frontier = [(p, self.goal) for p in free if p != self.goal]
+            togo = SharedTable.fromkeys(frontier, 0)
+            while frontier:
+                nxt = []
+                for player, box in frontier:
+                    for dr, dc in MOVES.values():
+                        prev = (player[0] - dr, player[1] - dc)  # the player stepped from here
+                        if prev in self.walls or prev == box:
+                            continue
+                        before = [(prev, box)]  # a walk, or a push of a box that stood where the player is
+                        if box == (player[0] + dr, player[1] + dc):
+                            before.append((prev, player))
+                        for state in before:
+                            if state not in togo:
+                                togo[state] = togo[player, box] + 1
+                                nxt.append(state)
+                frontier = nxt
+            self._togo = togo
+        return min(self._togo.get((self.player, self.box), SOLVE_CAP), SOLVE_CAP)
 
     def rules(self):
         return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "
@@ -467,15 +499,15 @@ class Sokoban(GridGame):
     def apply(self, actions):
         """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping
         0.1*(0.99*phi' - phi) with phi = -box distance to the goal, +10 on solving. With
-        --sokoban_walk_shaping W (not the spec's: its reward pays a walk to the box nothing) also
-        W*(0.99*psi' - psi), psi = walk_potential (potential-based: the same optimal policies, Ng et
-        al. 1999)."""
+        --sokoban_solve_shaping W (not the spec's: its reward pays a walk to the box nothing) also
+        W*(0.99*psi' - psi), psi = -moves_to_solve (potential-based: the same optimal policies, Ng et
+        al. 1999; Plan-Path's spec shapes every move by its distance the same way)."""
         total = 0.0
         for a in actions:
             if self.box == self.goal:
                 break
             phi = -abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])
-            psi = self.walk_potential() if self.walk_shaping else 0.0
+            psi = -self.moves_to_solve() if self.solve_shaping else 0.0
             was_on = self.box == self.goal
             nxt = self.move((self.player, self.box), a)
             if nxt is None:
@@ -486,8 +518,8 @@ class Sokoban(GridGame):
             on = self.box == self.goal
             total += (1.0 if on and not was_on else 0.0) - (0.5 if was_on and not on else 0.0)
             total += 0.1 * (0.99 * (-abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])) - phi)
-            if self.walk_shaping:
-                total += self.walk_shaping * (0.99 * self.walk_potential() - psi)
+            if self.solve_shaping:
+                total += self.solve_shaping * (0.99 * -self.moves_to_solve() - psi)
             if on:
                 total += 10.0
         return total, self.box == self.goal, f"box at {self.box}"
@@ -1388,7 +1420,7 @@ WARMUPS = ("turn", "calls", "none")
 
 def _game(cls, **compact_settings):
     """The factory of a generated game: its compact form takes `compact_settings`, every form the
-    run's `game` settings (Sudoku's wrong_fill, Sokoban's walk_shaping)."""
+    run's `game` settings (Sudoku's wrong_fill, Sokoban's solve_shaping)."""
     def make(seed, workflow, compact, row, game=None, **_):
         return cls(seed, workflow=workflow, compact=compact, **(compact_settings if compact else {}),
                    **(game or {}))

@@ -2061,34 +2061,47 @@ def _training_envs(monkeypatch, tmp_path, flags):
     return made
 
 
-def test_sokoban_walk_shaping_flag_pays_the_walk_to_the_push_spot(monkeypatch, tmp_path):
-    """--sokoban_walk_shaping W (off by default: the spec pays a walk to the box nothing): each move also earns
-    W x (0.99 psi' - psi), psi minus the player's Manhattan distance to the push spot (the cell behind the box, away
-    from the goal along its longer offset), by hand on a room set up here; a push from the spot earns no walk
-    shaping; at the default the spec's rewards alone. The flag is Sokoban's only and reaches the training envs."""
+def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypatch, tmp_path):
+    """--sokoban_solve_shaping W (off by default: the spec pays a walk to the box nothing): each move also earns
+    W x (0.99 psi' - psi), psi minus the fewest moves left to a solve. The env's table (one backward BFS per room)
+    against a forward BFS from each state (the solver's own search, docs/sft_probe.py), on states of random play in
+    60 test rooms, a stuck box at SOLVE_CAP; the reward by hand on a room set up here; at the default the spec's
+    rewards alone. The flag is Sokoban's only and reaches the training envs."""
     import train as T
+    rng, stuck = random.Random(0), 0
+    for env in E.test_set("sokoban", n=60, compact=True):
+        for _ in range(8):
+            path = E.bfs((env.player, env.box), lambda s: [(a, n) for a in "UDLR" for n in [env.move(s, a)] if n],
+                         lambda s: s[1] == env.goal)
+            want = E.SOLVE_CAP if path is None else min(len(path), E.SOLVE_CAP)
+            stuck += path is None
+            assert env.moves_to_solve() == want, (env.board(), want)
+            env.apply([rng.choice("UDLR")])
+            if env.box == env.goal:
+                break
+    assert stuck > 0  # random play jams some boxes
 
     def room(game):
         env = E.make_env("sokoban", 0, compact=True, game=game)
         env.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
-        env.box, env.goal, env.player = (2, 2), (2, 4), (4, 1)  # push spot (2, 1): push right, twice
+        env.box, env.goal, env.player = (2, 2), (2, 4), (4, 1)  # walk U, U to (2, 1), then push R, R: 4 moves
         return env
     spec = [-0.01 + 0.1 * (0.99 * -2 + 2), -0.01 + 0.1 * (0.99 * -2 + 2), -0.01 + 0.1 * (0.99 * -1 + 2)]
-    walk = [0.99 * -1 + 2, 0.99 * 0 + 1, 0.0]  # player 2 -> 1 -> 0 cells from the spot; the push keeps it at 0
-    plain, shaped = room({}), room({"walk_shaping": 0.1})
+    left = [(4, 3), (3, 2), (2, 1)]  # moves left before and after each of U, U, R
+    plain, shaped = room({}), room({"solve_shaping": 0.1})
     for i, a in enumerate("UUR"):
         assert plain.apply([a])[0] == pytest.approx(spec[i]), a
-        assert shaped.apply([a])[0] == pytest.approx(spec[i] + 0.1 * walk[i]), a
+        assert shaped.apply([a])[0] == pytest.approx(spec[i] + 0.1 * (0.99 * -left[i][1] + left[i][0])), a
     assert shaped.box == plain.box == (2, 3) and shaped.player == (2, 2)
-    away = room({"walk_shaping": 0.5})
-    assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (0.99 * -3 + 2))  # a step away
-    with pytest.raises(SystemExit, match="^--sokoban_walk_shaping shapes Sokoban's .* not 'plan''s"):
-        T.configure(["--sokoban_walk_shaping", "0.1"])
+    away = room({"solve_shaping": 0.5})
+    assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (0.99 * -5 + 4))  # off the way
+    with pytest.raises(SystemExit, match="^--sokoban_solve_shaping shapes Sokoban's moves, not 'plan''s"):
+        T.configure(["--sokoban_solve_shaping", "0.1"])
     for bad in ("-0.1", "2", "nan"):
-        with pytest.raises(SystemExit, match="^--sokoban_walk_shaping [-0-9.na]+: use a"):
-            T.configure(["--task", "sokoban", "--sokoban_walk_shaping", bad])
-    made = _training_envs(monkeypatch, tmp_path, ["--task", "sokoban", "--sokoban_walk_shaping", "0.1"])
-    assert made and all(env.walk_shaping == 0.1 for env in made)
+        with pytest.raises(SystemExit, match="^--sokoban_solve_shaping [-0-9.na]+: use a"):
+            T.configure(["--task", "sokoban", "--sokoban_solve_shaping", bad])
+    made = _training_envs(monkeypatch, tmp_path, ["--task", "sokoban", "--sokoban_solve_shaping", "0.1"])
+    assert made and all(env.solve_shaping == 0.1 for env in made)
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])

@@ -79,7 +79,7 @@ alpha = 1.0                # weight of the team reward in every call's reward
 reward = "immediate"       # immediate: each call's alpha*team + local; outcome: the episode's (Dr. MAS)
 invalid_penalty = 0.1      # --reward outcome: minus this for an ill-formed answer (Dr. MAS: 0.1 math)
 sudoku_wrong_fill = 0.1    # --task sudoku: a legal fill of a wrong digit (the spec: 0.1, as a right one)
-sokoban_walk_shaping = 0.0  # --task sokoban: W x a move's gain toward the push spot (the spec: 0)
+sokoban_solve_shaping = 0.0  # --task sokoban: W x a move's cut in the moves left to solve (spec: 0)
 tool_timeout = 5.0         # seconds for a tool agent's program (games, math) in the sandbox
 test_timeout = 6.0         # seconds per code test (LiveCodeBench's own limit)
 search_train = ""          # --task search: questions (jsonl, Search-R1's or HotpotQA's format); "" = generated
@@ -427,8 +427,8 @@ def load_tasks(cfg):
     game = {}  # a game's own settings (config.check_task: only for its game)
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL:
         game["wrong_fill"] = cfg["sudoku_wrong_fill"]
-    if cfg["sokoban_walk_shaping"]:
-        game["walk_shaping"] = cfg["sokoban_walk_shaping"]
+    if cfg["sokoban_solve_shaping"]:
+        game["solve_shaping"] = cfg["sokoban_solve_shaping"]
     tasks = Tasks(cfg["task"], cfg["workflow"], compact, rows, config.parse_team(cfg), cfg["turns"],
                   retrieval.settings(cfg), game)
     test_files = [cfg["search_test"]] if cfg["search_test"] else None
