@@ -500,8 +500,8 @@ class Sokoban(GridGame):
         """Per move: -0.01 valid / -0.05 invalid, +1 box onto goal, -0.5 box off goal, shaping
         0.1*(0.99*phi' - phi) with phi = -box distance to the goal, +10 on solving. With
         --sokoban_solve_shaping W (not the spec's: its reward pays a walk to the box nothing) also
-        W*(0.99*psi' - psi), psi = -moves_to_solve (potential-based: the same optimal policies, Ng et
-        al. 1999; Plan-Path's spec shapes every move by its distance the same way)."""
+        W*(psi' - psi), psi = -moves_to_solve: potential-based (Ng et al. 1999), undiscounted, as a
+        0.99 would pay a move 0.01*W*(moves left) for going nowhere (a back-and-forth, seen)."""
         total = 0.0
         for a in actions:
             if self.box == self.goal:
@@ -519,7 +519,7 @@ class Sokoban(GridGame):
             total += (1.0 if on and not was_on else 0.0) - (0.5 if was_on and not on else 0.0)
             total += 0.1 * (0.99 * (-abs(self.box[0] - self.goal[0]) - abs(self.box[1] - self.goal[1])) - phi)
             if self.solve_shaping:
-                total += self.solve_shaping * (0.99 * -self.moves_to_solve() - psi)
+                total += self.solve_shaping * (-self.moves_to_solve() - psi)
             if on:
                 total += 10.0
         return total, self.box == self.goal, f"box at {self.box}"

@@ -2063,10 +2063,11 @@ def _training_envs(monkeypatch, tmp_path, flags):
 
 def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypatch, tmp_path):
     """--sokoban_solve_shaping W (off by default: the spec pays a walk to the box nothing): each move also earns
-    W x (0.99 psi' - psi), psi minus the fewest moves left to a solve. The env's table (one backward BFS per room)
-    against a forward BFS from each state (the solver's own search, docs/sft_probe.py), on states of random play in
-    60 test rooms, a stuck box at SOLVE_CAP; the reward by hand on a room set up here; at the default the spec's
-    rewards alone. The flag is Sokoban's only and reaches the training envs."""
+    W x (psi' - psi), psi minus the fewest moves left to a solve, undiscounted: a back-and-forth earns nothing.
+    The env's table (one backward BFS per room) against a forward BFS from each state (the solver's own search,
+    docs/sft_probe.py), on states of random play in 60 test rooms, a stuck box at SOLVE_CAP; the reward by hand
+    on a room set up here; at the default the spec's rewards alone. The flag is Sokoban's only and reaches the
+    training envs."""
     import train as T
     rng, stuck = random.Random(0), 0
     for env in E.test_set("sokoban", n=60, compact=True):
@@ -2091,10 +2092,11 @@ def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypa
     plain, shaped = room({}), room({"solve_shaping": 0.1})
     for i, a in enumerate("UUR"):
         assert plain.apply([a])[0] == pytest.approx(spec[i]), a
-        assert shaped.apply([a])[0] == pytest.approx(spec[i] + 0.1 * (0.99 * -left[i][1] + left[i][0])), a
+        assert shaped.apply([a])[0] == pytest.approx(spec[i] + 0.1 * (left[i][0] - left[i][1])), a
     assert shaped.box == plain.box == (2, 3) and shaped.player == (2, 2)
     away = room({"solve_shaping": 0.5})
-    assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (0.99 * -5 + 4))  # off the way
+    assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (4 - 5))  # off the way
+    assert away.apply(["L"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (5 - 4))  # back: nets 0
     with pytest.raises(SystemExit, match="^--sokoban_solve_shaping shapes Sokoban's moves, not 'plan''s"):
         T.configure(["--sokoban_solve_shaping", "0.1"])
     for bad in ("-0.1", "2", "nan"):
