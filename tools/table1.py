@@ -33,6 +33,10 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     # the role table (results.md, "Each agent specialises"): one model per role, the other frozen at its base
     "per_role_plan_only": ("per role, only the plan agent trains", ["--policies", "per_role", "--train_roles", "plan"]),
     "per_role_tool_only": ("per role, only the tool agent trains", ["--policies", "per_role", "--train_roles", "tool"]),
+    # the agents table (results.md, "Who the agents are"): a LoRA adapter per role, and a smaller tool agent
+    "mas_lora": ("two agents + AT-GRPO, a LoRA adapter per role", ["--policies", "lora"]),
+    "mas_two_bases": ("two agents + AT-GRPO, tool tiny-small, plan tiny",
+                      ["--policy", "tool=tiny-small", "--policy", "plan=tiny"]),
 }
 # the rewards beside a game's tiny default (the spec's): tiny Sudoku charged a wrong legal fill -0.3 until
 # 2026-11-30 (issue 77's deviation, a flag). reward: train.py's flags that give it
