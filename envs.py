@@ -355,9 +355,6 @@ class PlanPath(GridGame):
 # Sokoban (one box): reverse play from a solved room, so every instance is solvable
 
 
-SOLVE_CAP = 24  # --sokoban_solve_shaping: a stuck box's distance (the test rooms start <= 9 moves away)
-
-
 class SharedTable(dict):
     """A table built once per room and never changed: a room's clones share it (a copy costs 5x a build)."""
 
@@ -394,20 +391,27 @@ class Sokoban(GridGame):
         self.size, self.walls, self.goal, self.box, self.player, self.moves = size, walls, goal, box, player, 0
 
     def summary(self):
-        """Compact mode's extra line, as Plan-Path's: the push spot's offset from the player, the
-        goal's offset from the box, and what each move meets ('.' free, '#' wall, '$' a box it can
-        push, 'x' a box stuck against a wall), e.g. '+1+3 +0-2 U#D.L#R.'. The push spot is the cell
-        behind the box, away from the goal along the goal's longer offset (ties: rows), so "walk to
-        the spot, then push along that offset" is Plan-Path's "walk along the offset" twice. Same
-        information as the room, in a form a tiny model learns from (docs/design.md)."""
+        """Compact mode's extra line, Plan-Path's exactly: the offset of the player's next leg, then
+        what each move meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a
+        wall), e.g. '+0+1 U#D.L#R.'. The leg: off the push spot, to the spot (the cell behind the box,
+        away from the goal along the goal's longer offset; ties: rows); on it, the push along that
+        offset to the goal's row or column. So each turn is Plan-Path's "walk along the offset", one
+        skill (a line with both offsets, the spot's and the goal's, left which to follow to the model:
+        docs/experiments.md, 2026-11-30). Same information as the room, in a form a tiny model learns
+        from (docs/design.md)."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
         sr, sc = self.push_spot()
+        if (sr, sc) == (pr, pc):  # on the spot: the leg is the push itself
+            if abs(gr - br) >= abs(gc - bc):
+                sr = pr + gr - br
+            else:
+                sc = pc + gc - bc
         cells = ""
         for a, (dr, dc) in MOVES.items():
             q = (pr + dr, pc + dc)
             cells += a + ("#" if q in self.walls else ("$" if self.move((self.player, self.box), a) else "x")
                           if q == self.box else ".")
-        return f"{sr - pr:+d}{sc - pc:+d} {gr - br:+d}{gc - bc:+d} {cells}"
+        return f"{sr - pr:+d}{sc - pc:+d} {cells}"
 
     def push_spot(self):
         """The cell a push toward the goal starts from: behind the box, one step against the goal's
@@ -420,9 +424,11 @@ class Sokoban(GridGame):
         return br - push[0], bc - push[1]
 
     def moves_to_solve(self):
-        """--sokoban_solve_shaping's distance: the fewest moves from this state to a solve, or
-        SOLVE_CAP when the box is stuck. One backward BFS per room (walks and pulls from every solved
-        state), kept for the room's later states."""
+        """--sokoban_solve_shaping's distance: the fewest moves from this state to a solve (one
+        backward BFS per room, walks and pulls from every solved state, kept for the room's later
+        states). A stuck box counts the moves a jam undid, not a cliff: the player's Manhattan
+        distance to the push spot plus the box's to the goal (a cap of 24 charged a jam ~20 moves,
+        and the runs learned to answer one move: docs/experiments.md, 2026-11-30)."""
         if self._togo is None:
             free = [(r, c) for r in range(self.size) for c in range(self.size) if (r, c) not in self.walls]
             frontier = [(p, self.goal) for p in free if p != self.goal]
@@ -443,7 +449,10 @@ class Sokoban(GridGame):
                                 nxt.append(state)
                 frontier = nxt
             self._togo = togo
-        return min(self._togo.get((self.player, self.box), SOLVE_CAP), SOLVE_CAP)
+        if (self.player, self.box) in self._togo:
+            return self._togo[self.player, self.box]
+        (pr, pc), (sr, sc), (br, bc), (gr, gc) = self.player, self.push_spot(), self.box, self.goal
+        return abs(pr - sr) + abs(pc - sc) + abs(br - gr) + abs(bc - gc)
 
     def rules(self):
         return ("Push the box $ onto the goal . ('#' wall, '@' you, '*' box on goal, '+' you on goal). You can push "

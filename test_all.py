@@ -882,23 +882,23 @@ def test_real_models_default_to_activation_checkpointing(tiny_dir):
     assert real["grad_checkpoint"] == "full" and tiny["grad_checkpoint"] == "off"
     assert real["tis_cap"] == 2.0 and tiny["tis_cap"] == 0.0
     # real models keep the paper's group std from step 0; the tiny Plan-Path default divides by the step's std for the
-    # whole run (--batch_std_steps applies to --scale_rewards group only); the compact Sokoban and Sudoku keep the
-    # schedule they were measured with (the step's std for 60 steps, the group's after)
+    # whole run (--batch_std_steps applies to --scale_rewards group only), and so does the compact Sokoban (Plan-Path's
+    # recipe); the compact Sudoku keeps the schedule it was measured with (the step's std for 60 steps, the group's)
     assert real["batch_std_steps"] == 0 and real["scale_rewards"] == "group"
     assert tiny["scale_rewards"] == "batch" and tiny["preset"] == "tiny-plan" and real["preset"] == "paper"
-    for game in ("sokoban", "sudoku"):
-        g = T.configure(["--task", game])
-        assert g["scale_rewards"] == "group" and g["batch_std_steps"] == 60
+    assert T.configure(["--task", "sokoban"])["scale_rewards"] == "batch"
+    g = T.configure(["--task", "sudoku"])
+    assert g["scale_rewards"] == "group" and g["batch_std_steps"] == 60
     assert T.configure(["--scale_rewards", "group"])["batch_std_steps"] == 60  # the previous default, one flag away
     # real models sample at the reference's 1.0 (its multi-agent sampler in training mode; docs/paper_preset.md);
     # the tiny Plan-Path default at 0.5 (greedy held-out lags at 1.0, and 0.5 met the three targets on 9 of ten
-    # fresh seeds against 0.7's 7: docs/results.md); the tiny code and math smoke runs keep tiny's 0.7; the compact
-    # Sokoban and Sudoku keep 1.0 (measured so); a flag wins
+    # fresh seeds against 0.7's 7: docs/results.md), and the compact Sokoban with its recipe; the tiny code and math
+    # smoke runs keep tiny's 0.7; the compact Sudoku keeps 1.0 (measured so); a flag wins
     assert real["temperature"] == 1.0 and tiny["temperature"] == 0.5
     assert T.configure(["--task", "math"])["temperature"] == 0.7
     assert "temperature 0.5" in config.config_line(tiny, T.PRESETS)
     assert (
-        T.configure(["--task", "sokoban"])["temperature"] == 1.0
+        T.configure(["--task", "sokoban"])["temperature"] == 0.5
         and T.configure(["--task", "sudoku"])["temperature"] == 1.0
     )
     assert T.configure(["--temperature", "1.0"])["temperature"] == 1.0
@@ -1732,20 +1732,25 @@ def test_sokoban_hand_rewards():
     assert env.clone().step("plan", "#### [\"R\", \"R\"]") == pytest.approx(expect)
 
 
-def test_compact_sokoban_summary_says_what_each_move_does():
-    """The compact Sokoban line (offsets player->push spot and box->goal, then per move '.' walk, '#' wall, '$' push,
-    'x' box stuck) against the test's own push rule on every test room and on states along a random walk; by hand; and
-    the line is enough: a rule reading only it (walk to the spot, then push along the goal's longer offset) solves >=
-    0.85 of 200 test rooms within the 4 turns, judged by the game, against 0.34 with the box's offset (the old line)."""
+def test_compact_sokoban_summary_names_the_next_leg():
+    """The compact Sokoban line (the offset of the player's next leg, then per move '.' walk, '#' wall, '$' push, 'x'
+    box stuck) against the test's own push rule on every test room and on states along a random walk: off the push
+    spot the leg ends on the spot, on it the push runs to the goal's row or column; by hand; and the line is enough: a
+    rule reading only it (walk the leg, rows first unless that cell is not free), one leg a turn, solves >= 0.85 of 200
+    test rooms within the 4 turns, judged by the game."""
     rng = random.Random(0)
     for env in E.test_set("sokoban", n=100, compact=True):
         e = env.clone()
         for _ in range(6):
-            off_spot, off_goal, cells = e.summary().split()
+            leg, cells = e.summary().split()
             (pr, pc), (br, bc), (gr, gc) = e.player, e.box, e.goal
             push, (sr, sc) = push_spot(e)  # along the goal's longer offset
-            assert push != (0, 0) and off_goal == f"{gr - br:+d}{gc - bc:+d}"
-            assert off_spot == f"{sr - pr:+d}{sc - pc:+d}"  # the cell the push starts from
+            assert push != (0, 0)
+            if (sr, sc) == (pr, pc):  # on the spot: push until the box is level with the goal on the push's axis
+                want = (gr - br, 0) if push[0] else (0, gc - bc)
+            else:
+                want = (sr - pr, sc - pc)
+            assert leg == f"{want[0]:+d}{want[1]:+d}", (e.board(), leg)
             for a, sym in zip(cells[0::2], cells[1::2]):
                 dr, dc = STEP[a]
                 q = (pr + dr, pc + dc)
@@ -1759,24 +1764,25 @@ def test_compact_sokoban_summary_says_what_each_move_does():
     e = E.make_env("sokoban", seed=0, compact=True)
     e.walls = {(r, c) for r in range(6) for c in range(6) if r in (0, 5) or c in (0, 5)}
     e.player, e.box, e.goal = (2, 1), (2, 2), (2, 4)
-    assert e.summary() == "+0+0 +0+2 U.D.L#R$"  # at the spot: push right twice
+    assert e.summary() == "+0+2 U.D.L#R$"  # at the spot: push right twice
     e.player = (3, 3)
-    assert e.summary() == "-1-2 +0+2 U.D.L.R."  # the spot (2, 1) is up 1, left 2
+    assert e.summary() == "-1-2 U.D.L.R."  # the spot (2, 1) is up 1, left 2
     e.player, e.box = (1, 2), (1, 3)
     e.walls.add((1, 4))
-    assert e.summary() == "-1+1 +1+1 U#D.L.Rx"  # a tie goes to rows: the spot is above the box (here a wall)
+    assert e.summary() == "-1+1 U#D.L.Rx"  # a tie goes to rows: the spot is above the box (here a wall)
+    e.walls.discard((1, 4))
+    e.player, e.box, e.goal = (1, 1), (2, 1), (4, 2)
+    assert e.summary() == "+2+0 U#D$L#R."  # on the spot: the push runs along the rows, 2 of the goal's (+2, +1)
 
     def offset(s):
         i = max(s.rfind("+"), s.rfind("-"))
         return int(s[:i]), int(s[i:])
 
     def line_rule(line):  # reads nothing but the line
-        (sr, sc), (gr, gc), cells = offset(line.split()[0]), offset(line.split()[1]), line.split()[2]
+        (dr, dc), cells = offset(line.split()[0]), line.split()[1]
         meets = dict(zip(cells[0::2], cells[1::2]))
-        v, h = ("D" if sr > 0 else "U") * abs(sr), ("R" if sc > 0 else "L") * abs(sc)
-        walk = v + h if not v or meets[v[0]] == "." else h + v
-        push = ("D" if gr > 0 else "U") * abs(gr) if abs(gr) >= abs(gc) else ("R" if gc > 0 else "L") * abs(gc)
-        return list(walk + push)[:7]  # the 8-token answer holds 7 moves
+        v, h = ("D" if dr > 0 else "U") * abs(dr), ("R" if dc > 0 else "L") * abs(dc)
+        return list(v + h if not v or not h or meets[v[0]] == "." else h + v)[:7]  # 8 tokens hold 7 moves
 
     solved = 0
     for env in E.test_set("sokoban", n=200, compact=True):
@@ -2061,20 +2067,26 @@ def _training_envs(monkeypatch, tmp_path, flags):
     return made
 
 
-def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypatch, tmp_path):
-    """--sokoban_solve_shaping W (off by default: the spec pays a walk to the box nothing): each move also earns
+def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypatch, tmp_path, tiny_dir):
+    """--sokoban_solve_shaping W (the tiny Sokoban's 0.5, off for real models: the spec pays a walk to the box
+    nothing): each move also earns
     W x (psi' - psi), psi minus the fewest moves left to a solve, undiscounted: a back-and-forth earns nothing.
     The env's table (one backward BFS per room) against a forward BFS from each state (the solver's own search,
-    docs/sft_probe.py), on states of random play in 60 test rooms, a stuck box at SOLVE_CAP; the reward by hand
-    on a room set up here; at the default the spec's rewards alone. The flag is Sokoban's only and reaches the
-    training envs."""
+    docs/sft_probe.py), on states of random play in 60 test rooms; a stuck box at the moves a jam undid (the
+    player's Manhattan distance to the test's own push spot plus the box's to the goal: no cliff); the reward by
+    hand on a room set up here, and a jam's; at 0 the spec's rewards alone. The flag is Sokoban's only and reaches
+    the training envs."""
     import train as T
     rng, stuck = random.Random(0), 0
     for env in E.test_set("sokoban", n=60, compact=True):
         for _ in range(8):
             path = E.bfs((env.player, env.box), lambda s: [(a, n) for a in "UDLR" for n in [env.move(s, a)] if n],
                          lambda s: s[1] == env.goal)
-            want = E.SOLVE_CAP if path is None else min(len(path), E.SOLVE_CAP)
+            if path is None:
+                (pr, pc), (sr, sc) = env.player, push_spot(env)[1]
+                want = abs(pr - sr) + abs(pc - sc) + abs(env.box[0] - env.goal[0]) + abs(env.box[1] - env.goal[1])
+            else:
+                want = len(path)
             stuck += path is None
             assert env.moves_to_solve() == want, (env.board(), want)
             env.apply([rng.choice("UDLR")])
@@ -2097,6 +2109,11 @@ def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypa
     away = room({"solve_shaping": 0.5})
     assert away.apply(["R"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (4 - 5))  # off the way
     assert away.apply(["L"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -2 + 2) + 0.5 * (5 - 4))  # back: nets 0
+    jam = room({"solve_shaping": 0.5})
+    jam.player = (3, 2)  # 4 moves left (L, U, R, R); U pushes the box against the top wall, off the goal's row
+    left_after = (1 + 1) + (1 + 2)  # stuck: the player (2, 2) to the spot (1, 1), the box (1, 2) to the goal (2, 4)
+    assert jam.apply(["U"])[0] == pytest.approx(-0.01 + 0.1 * (0.99 * -3 + 2) + 0.5 * (4 - left_after))
+    assert jam.box == (1, 2) and jam.moves_to_solve() == left_after
     with pytest.raises(SystemExit, match="^--sokoban_solve_shaping shapes Sokoban's moves, not 'plan''s"):
         T.configure(["--sokoban_solve_shaping", "0.1"])
     for bad in ("-0.1", "2", "nan"):
@@ -2104,6 +2121,8 @@ def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypa
             T.configure(["--task", "sokoban", "--sokoban_solve_shaping", bad])
     made = _training_envs(monkeypatch, tmp_path, ["--task", "sokoban", "--sokoban_solve_shaping", "0.1"])
     assert made and all(env.solve_shaping == 0.1 for env in made)
+    assert T.configure(["--task", "sokoban"])["sokoban_solve_shaping"] == 0.5  # the tiny default
+    assert T.configure(["--task", "sokoban", "--model", tiny_dir])["sokoban_solve_shaping"] == 0.0  # real models
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])
@@ -4630,22 +4649,25 @@ def test_the_plan_default_refills_and_gigpo_opts_out(tiny_dir):
         T.configure(["--algo", "gigpo", "--batch_std_steps", "5"])
     # the run's first line shows it (it listed only tiny's keys, so the default's refill went unprinted)
     assert "dynamic_sampling 3" in config.config_line(T.configure([]), T.PRESETS)
-    assert "dynamic_sampling" not in config.config_line(T.configure(["--task", "sokoban"]), T.PRESETS)
+    assert "dynamic_sampling 3" in config.config_line(T.configure(["--task", "sokoban"]), T.PRESETS)  # its recipe
+    assert "dynamic_sampling" not in config.config_line(T.configure(["--task", "sudoku"]), T.PRESETS)
 
 
 def test_the_plan_default_trains_each_prompt_once():
     """The tiny Plan-Path default packs each sibling group into one row (its prompt once) in mini-batches of whole
     groups, with the cosine over 150 steps (chosen on seeds 40-49, reported on 100-109: docs/results.md), then its
     floor until the clock (reported on 146-155); `--pack false` is the earlier layout (one row per sample, the strided
-    split); the other tiny tasks stay unpacked."""
+    split); the compact Sokoban takes the same recipe; the other tiny tasks stay unpacked."""
     import train as T
     plan = T.configure([])
     assert plan["pack"] and plan["split"] == "groups" and plan["lr_steps"] == 150 and plan["steps"] == 1000
     assert plan["lr"] == 5e-4 and plan["lr_decay"] == 1.0 and plan["minibatches"] == 4
     before = T.configure(["--pack", "false"])
     assert not before["pack"] and before["split"] == "strided" and before["lr_steps"] == 150
-    for task in ("sokoban", "sudoku", "search", "math"):
+    for task in ("sudoku", "search", "math"):
         assert not T.configure(["--task", task])["pack"]
+    sokoban = T.configure(["--task", "sokoban"])
+    assert all(sokoban[k] == plan[k] for k in ("pack", "split", "lr_steps", "steps", "dynamic_sampling", "temperature"))
     assert "pack True" in config.config_line(plan, T.PRESETS)
 
 

@@ -23,7 +23,7 @@ import envs as E
 import model as M
 from rollout import Agents
 
-TINY_VERSION = 2  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
+TINY_VERSION = 3  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
 # (2: compact Sudoku's view narrows each cell by the hidden single, 2026-11-30)
 
 

@@ -179,6 +179,11 @@ TINY = dict(
     warmup_steps=150, warmup_moves=4, grad_checkpoint="off", tis_cap=0.0,
     gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
 )
+# Plan-Path: DAPO's refill keeps freezes off; 0.5 samples near the scored greedy answer; a sibling
+# group trains as one row (its prompt once); the cosine over 150 steps, then its floor until the
+# 15-minute clock (docs/results.md)
+TINY_PLAN = {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
+             "steps": 1000, "lr_steps": 150}
 PRESETS = {
     "paper": {},
     "paper-math": dict(max_new_tokens=8192, max_model_len=16384,
@@ -187,12 +192,10 @@ PRESETS = {
     "paper-search": dict(turns=4, max_new_tokens=800, max_prompt_tokens=4096, max_model_len=4896,
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
-    # Plan-Path: DAPO's refill keeps freezes off; 0.5 samples near the scored greedy answer;
-    # a sibling group trains as one row (its prompt once); the cosine over 150 steps, then its
-    # floor until the 15-minute clock (docs/results.md)
-    "tiny-plan": {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
-                  "steps": 1000, "lr_steps": 150},
-    "tiny-sokoban": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600},
+    "tiny-plan": TINY_PLAN,
+    # Sokoban: Plan-Path's recipe, and each move paid its cut in the moves left to a solve (a flag,
+    # off for real models: the spec's reward pays a walk to the box nothing; docs/results.md)
+    "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5},
     # Sudoku: the spec's reward since its view names hidden singles (docs/results.md, Sudoku's view)
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,

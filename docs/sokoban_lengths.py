@@ -1,7 +1,7 @@
 """Which compact-Sokoban rooms a policy solves (a diagnostic, not training; docs/experiments.md "Where Sokoban's 15
 minutes go"). The 200 test rooms are split by the length of their shortest solution (BFS, docs/sft_probe.py's
-`shortest`) and by whether the player starts on the push spot (the line's first field is +0+0: the room needs pushes
-only, no walk). A policy that learned to push but not to walk solves the first rows and the "on the spot" rooms only:
+`shortest`) and by whether the player starts on the push spot (the room needs pushes only, no walk). A policy that
+learned to push but not to walk solves the first rows and the "on the spot" rooms only:
 
     python docs/sokoban_lengths.py ~/.cache/at-grpo-mini/tiny-base-sokoban-mas-s1-HASH             # an untrained base
     python docs/sokoban_lengths.py runs/sokoban-s1/ckpt/policy-tool+plan   # a trained policy
@@ -22,7 +22,7 @@ def table(envs, solved):
     "moves" by the shortest solution's length, "on spot" by whether the player starts on the push spot."""
     out = collections.defaultdict(lambda: [0, 0])
     for env, ok in zip(envs, solved):
-        for key in (("moves", len(shortest(env))), ("on spot", env.summary().startswith("+0+0 "))):
+        for key in (("moves", len(shortest(env))), ("on spot", env.player == env.push_spot())):
             out[key][0] += 1
             out[key][1] += bool(ok)
     return dict(out)
