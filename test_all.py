@@ -4791,7 +4791,7 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--tool_timeout", "0"], "--tool_timeout 0.0: use above 0"),
         (["--dynamic_sampling", "1"], "--dynamic_sampling 1: use 0 .off. or at least 2"),
         (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
-        (["--refill", "missing", "--task", "sokoban"], "--refill missing sizes the refills of --dynamic_sampling"),
+        (["--refill", "missing", "--task", "sudoku"], "--refill missing sizes the refills of --dynamic_sampling"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
         (["--stop_step", "2000"], r"--stop_step 2000 must lie in \[0, --steps 1000\]"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
