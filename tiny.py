@@ -24,7 +24,8 @@ import model as M
 from rollout import Agents
 
 TINY_VERSION = 3  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
-# (2: compact Sudoku's view narrows each cell by the hidden single, 2026-11-30)
+# (2: compact Sudoku's view narrows each cell by the hidden single; 3: compact Sokoban's line names
+# the next leg, 2026-11-30)
 
 
 # --policy ROLE=tiny-small: the embedded tiny model at that size
