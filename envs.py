@@ -401,11 +401,8 @@ class Sokoban(GridGame):
         from (docs/design.md)."""
         (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
         sr, sc = self.push_spot()
-        if (sr, sc) == (pr, pc):  # on the spot: the leg is the push itself
-            if abs(gr - br) >= abs(gc - bc):
-                sr = pr + gr - br
-            else:
-                sc = pc + gc - bc
+        if (sr, sc) == (pr, pc):  # on the spot: the leg is the push itself, along push_spot's axis
+            sr, sc = (pr + gr - br, pc) if sc == bc else (pr, pc + gc - bc)
         cells = ""
         for a, (dr, dc) in MOVES.items():
             q = (pr + dr, pc + dc)
