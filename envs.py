@@ -391,40 +391,29 @@ class Sokoban(GridGame):
         self.size, self.walls, self.goal, self.box, self.player, self.moves = size, walls, goal, box, player, 0
 
     def summary(self):
-        """Compact mode's extra line: the offsets of the player's next two legs, then what each move
-        meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a wall), e.g.
-        '+0+1 +1+0 U#D.L#R.' (walk right to the spot, then push down). A leg: off the push spot, the
-        walk to it; on it, the push to the goal's row or column (Sokoban.leg). The second leg is what
-        follows the first as the line reads it ('+0+0': the first solves). One leg a turn was
-        Plan-Path's line exactly, but an answer may hold both: the runs appended a guessed push to the
-        walk and stopped near 0.56 (docs/experiments.md, 2026-12-01). Same information as the room, in
-        a form a tiny model learns from (docs/design.md)."""
-        (pr, pc) = self.player
-        (sr, sc), after = self.leg(self.player, self.box)
-        nr, nc = sr, sc  # '+0+0' when the first leg solves
-        if after[1] != self.goal:
-            (nr, nc), _ = self.leg(*after)
+        """Compact mode's extra line, Plan-Path's exactly: the offset of the player's next leg, then
+        what each move meets ('.' free, '#' wall, '$' a box it can push, 'x' a box stuck against a
+        wall), e.g. '+0+1 U#D.L#R.'. The leg: off the push spot, to the spot (the cell behind the box,
+        away from the goal along the goal's longer offset; ties: rows); on it, the push along that
+        offset to the goal's row or column. So each turn is Plan-Path's "walk along the offset", one
+        skill (a line with both offsets, the spot's and the goal's, left which to follow to the model:
+        docs/experiments.md, 2026-11-30). Same information as the room, in a form a tiny model learns
+        from (docs/design.md)."""
+        (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
+        sr, sc = self.push_spot()
+        if (sr, sc) == (pr, pc):  # on the spot: the leg is the push itself, along push_spot's axis
+            sr, sc = (pr + gr - br, pc) if sc == bc else (pr, pc + gc - bc)
         cells = ""
         for a, (dr, dc) in MOVES.items():
             q = (pr + dr, pc + dc)
             cells += a + ("#" if q in self.walls else ("$" if self.move((self.player, self.box), a) else "x")
                           if q == self.box else ".")
-        return f"{sr - pr:+d}{sc - pc:+d} {nr - sr:+d}{nc - sc:+d} {cells}"
+        return f"{sr - pr:+d}{sc - pc:+d} {cells}"
 
-    def leg(self, player, box):
-        """The leg from (player, box): (where the player ends, the (player, box) after it). Off the push
-        spot, the walk to the spot; on it, the push along the spot's axis to the goal's row or column."""
-        (pr, pc), (br, bc), (gr, gc) = player, box, self.goal
-        sr, sc = self.push_spot(box)
-        if (sr, sc) != (pr, pc):
-            return (sr, sc), ((sr, sc), box)
-        dr, dc = (gr - br, 0) if sc == bc else (0, gc - bc)
-        return (pr + dr, pc + dc), ((pr + dr, pc + dc), (br + dr, bc + dc))
-
-    def push_spot(self, box):
-        """The cell a push of `box` toward the goal starts from: behind it, one step against the goal's
+    def push_spot(self):
+        """The cell a push toward the goal starts from: behind the box, one step against the goal's
         longer offset from it (ties: rows)."""
-        (br, bc), (gr, gc) = box, self.goal
+        (br, bc), (gr, gc) = self.box, self.goal
         if abs(gr - br) >= abs(gc - bc):
             push = ((gr > br) - (gr < br), 0)
         else:
@@ -459,8 +448,7 @@ class Sokoban(GridGame):
             self._togo = togo
         if (self.player, self.box) in self._togo:
             return self._togo[self.player, self.box]
-        (pr, pc), (br, bc), (gr, gc) = self.player, self.box, self.goal
-        sr, sc = self.push_spot(self.box)
+        (pr, pc), (sr, sc), (br, bc), (gr, gc) = self.player, self.push_spot(), self.box, self.goal
         return abs(pr - sr) + abs(pc - sc) + abs(br - gr) + abs(bc - gc)
 
     def rules(self):

@@ -23,9 +23,9 @@ import envs as E
 import model as M
 from rollout import Agents
 
-TINY_VERSION = 4  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
+TINY_VERSION = 3  # bump when the warm-up or the compact observations change: every cached base is then rebuilt
 # (2: compact Sudoku's view narrows each cell by the hidden single; 3: compact Sokoban's line names
-# the next leg, 2026-11-30; 4: the next two legs, 2026-12-01)
+# the next leg, 2026-11-30)
 
 
 # --policy ROLE=tiny-small: the embedded tiny model at that size

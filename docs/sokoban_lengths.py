@@ -22,7 +22,7 @@ def table(envs, solved):
     "moves" by the shortest solution's length, "on spot" by whether the player starts on the push spot."""
     out = collections.defaultdict(lambda: [0, 0])
     for env, ok in zip(envs, solved):
-        for key in (("moves", len(shortest(env))), ("on spot", env.player == env.push_spot(env.box))):
+        for key in (("moves", len(shortest(env))), ("on spot", env.player == env.push_spot())):
             out[key][0] += 1
             out[key][1] += bool(ok)
     return dict(out)
