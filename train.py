@@ -195,7 +195,10 @@ PRESETS = {
     "tiny-plan": TINY_PLAN,
     # Sokoban: Plan-Path's recipe, and each move paid its cut in the moves left to a solve (a flag,
     # off for real models: the spec's reward pays a walk to the box nothing; docs/results.md)
-    "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5},
+    # and answers of at most 4 moves, the warm-up's longest: at 7 the moves past the line's leg
+    # were a lottery a solving turn paid for (docs/experiments.md, 2026-12-01)
+    "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5,
+                     "max_new_tokens": 5, "eval_max_new_tokens": 5},
     # Sudoku: the spec's reward since its view names hidden singles (docs/results.md, Sudoku's view)
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
