@@ -384,6 +384,14 @@ def dapo_fill(first, more, algo, max_rollouts, refill="batch", all_sum=lambda v:
     return Filled(generated, kept, rollouts, 1 - len(groups) / max(1, seen))
 
 
+def ended(samples, stops):
+    """--mask_truncated: DAPO's overlong filtering (TRL's mask_truncated_completions): the samples
+    whose answer holds a stop token; one the budget cut trains nothing. Taken after the advantages,
+    so a cut answer's reward still sets its group's baseline, as in TRL."""
+    stops = set(stops)
+    return [s for s in samples if stops.intersection(s.response_ids)]
+
+
 # -----------------------------------------------------------------------------
 # the PPO-clip loss
 

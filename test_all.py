@@ -4867,6 +4867,58 @@ def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir):
         T.configure(["--train_roles", "coder"])
 
 
+def test_mask_truncated_trains_only_answers_that_ended(tmp_path, monkeypatch):
+    """--mask_truncated (DAPO's overlong filtering): against TRL's rule (GRPOTrainer, mask_truncated_completions: a
+    completion with no EOS id gets a zero completion mask), on padded random answers; and in the step loop, the
+    samples the update receives are the advantaged ones that hold a stop token, every one of them (half the step's
+    answers are cut here by hand: the tiny model rarely ends within its budget)."""
+    import train as T
+    rng = random.Random(0)
+    stops, pad = [5, 9], 0
+    answers = [[rng.choice([1, 2, 3, 5, 9]) for _ in range(rng.randint(1, 6))] for _ in range(200)]
+    samples = [types.SimpleNamespace(response_ids=a) for a in answers]
+    ids = torch.tensor([a + [pad] * (6 - len(a)) for a in answers])
+    is_eos = (ids == stops[0]) | (ids == stops[1])  # TRL: completion_ids == eos_token_id (each stop id here)
+    truncated = ~is_eos.any(dim=1)
+    assert G.ended(samples, stops) == [s for s, t in zip(samples, truncated.tolist()) if not t]
+    assert 0 < int(truncated.sum()) < len(samples)
+    seen = {}
+    real_advantages, real_update = G.advantages, T.update_policies
+
+    def cut_half(*args):  # every other sample cut before its stop token, the rest made to end with one
+        kept, groups = real_advantages(*args)
+        stop_ids = seen["stops"]
+        assert 7 not in stop_ids
+        for i, s in enumerate(kept):
+            n = next((j for j, t in enumerate(s.response_ids) if t in stop_ids), len(s.response_ids))
+            ids, lps = s.response_ids[:n], s.sampler_logprobs[:n]
+            if i % 2:
+                s.response_ids, s.sampler_logprobs = ids or [7], lps or [0.0]
+            else:
+                s.response_ids, s.sampler_logprobs = ids + [stop_ids[0]], lps + [0.0]
+        seen["advantaged"] = list(kept)
+        return kept, groups
+
+    def spy_update(cfg, pols, models, opts, refs, samples, *rest):
+        seen["trained"] = list(samples)
+        return real_update(cfg, pols, models, opts, refs, samples, *rest)
+    monkeypatch.setattr(G, "advantages", cut_half)
+    monkeypatch.setattr(T, "update_policies", spy_update)
+    real_build = T.P.build
+
+    def build(*args):
+        out = real_build(*args)
+        seen["stops"] = list(out[3][0].stop)
+        return out
+    monkeypatch.setattr(T.P, "build", build)
+    for mask in ("false", "true"):
+        T.main(SMOKE + ["--mask_truncated", mask, "--out_dir", str(tmp_path / mask)])
+        ended = [s for s in seen["advantaged"] if set(s.response_ids) & set(seen["stops"])]
+        assert 0 < len(ended) < len(seen["advantaged"])
+        want = ended if mask == "true" else seen["advantaged"]
+        assert [id(s) for s in seen["trained"]] == [id(s) for s in want]
+
+
 def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
     too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the

@@ -108,6 +108,7 @@ scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batc
 batch_std_steps = 0        # with --scale_rewards group: the first N steps use the step's std
 std_floor = 0.0            # divide by max(std, this), in reward units; 0 = the std
 drop_zero_var = False      # drop groups whose K rewards are all equal (their advantage is 0 anyway)
+mask_truncated = False     # an answer the budget cut (no stop token) trains nothing (DAPO, TRL)
 gigpo_gamma = 0.95         # --algo gigpo: the discount of the step returns (verl-agent's scripts)
 gigpo_step_weight = 1.0    # --algo gigpo: A = A_episode + this x A_step
 gigpo_episode = "agent"    # --algo gigpo: episode groups per agent | trajectory | call (method §4)
@@ -193,10 +194,9 @@ PRESETS = {
                          eval_turns=4, eval_max_new_tokens=800),
     "tiny": TINY,
     "tiny-plan": TINY_PLAN,
-    # Sokoban: Plan-Path's recipe, and each move paid its cut in the moves left to a solve (a flag,
-    # off for real models: the spec's reward pays a walk to the box nothing; docs/results.md)
-    # and answers of at most 4 moves, the warm-up's longest: at 7 the moves past the line's leg
-    # were a lottery a solving turn paid for (docs/experiments.md, 2026-12-01)
+    # Sokoban: Plan-Path's recipe, each move paid its cut in the moves left to a solve (a flag, off
+    # for real models: the spec's reward pays a walk to the box nothing; docs/results.md), and 5
+    # answer tokens (the warm-up's 4 moves and the end; a cut answer parses: at most 5 moves)
     "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5,
                      "max_new_tokens": 5, "eval_max_new_tokens": 5},
     # Sudoku: the spec's reward since its view names hidden singles (docs/results.md, Sudoku's view)
@@ -613,6 +613,8 @@ def main(argv):
         samples, groups = G.advantages(collected.samples, scheme, step, C.all_sum)
         trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every
         samples = [s for s in samples if s.role in trained]
+        if cfg["mask_truncated"]:  # DAPO's overlong filtering
+            samples = G.ended(samples, engines[0].stop)  # Qwen3 sizes share their stops
         clock.lap("rollout")  # the advantages included
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: engines sleep)
