@@ -531,6 +531,13 @@ def trained_roles(cfg, roles, step):
     return set(chosen)
 
 
+def trainable(cfg, samples, trained, stops):
+    """The advantaged samples the update trains: the calls of this step's trained roles, and
+    with --mask_truncated only answers that ended (DAPO's overlong filtering)."""
+    mine = [s for s in samples if s.role in trained]
+    return G.ended(mine, stops) if cfg["mask_truncated"] else mine
+
+
 # the stops that evaluate their last step (a signal stops at once: no evaluation)
 EVALUATED = ("non-finite", "steps", "time")
 
@@ -612,9 +619,7 @@ def main(argv):
         # --- advantages: the group key and the normalized value of --algo
         samples, groups = G.advantages(collected.samples, scheme, step, C.all_sum)
         trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every
-        samples = [s for s in samples if s.role in trained]
-        if cfg["mask_truncated"]:  # DAPO's overlong filtering
-            samples = G.ended(samples, engines[0].stop)  # Qwen3 sizes share their stops
+        samples = trainable(cfg, samples, trained, engines[0].stop)  # Qwen3 sizes share stops
         clock.lap("rollout")  # the advantages included
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: engines sleep)
