@@ -619,7 +619,7 @@ def main(argv):
         # --- advantages: the group key and the normalized value of --algo
         samples, groups = G.advantages(collected.samples, scheme, step, C.all_sum)
         trained = trained_roles(cfg, roles, step)  # --train_roles, --alternate_every
-        samples = trainable(cfg, samples, trained, engines[0].stop)  # Qwen3 sizes share stops
+        samples = trainable(cfg, samples, trained, P.distinct_engines(engines)[0].stop)
         clock.lap("rollout")  # the advantages included
 
         # --- update: one PPO-clip update per policy on its roles' samples (CUDA: engines sleep)
