@@ -1779,7 +1779,7 @@ def test_compact_sokoban_summary_names_the_next_leg():
         return int(s[:i]), int(s[i:])
 
     import train as T
-    moves = T.configure(["--task", "sokoban"])["max_new_tokens"]  # the tiny budget: a cut answer parses
+    moves = T.configure(["--task", "sokoban"])["max_new_tokens"] - 1  # the tiny budget, less the end token
 
     def line_rule(line):  # reads nothing but the line
         (dr, dc), cells = offset(line.split()[0]), line.split()[1]
@@ -1793,7 +1793,7 @@ def test_compact_sokoban_summary_names_the_next_leg():
             if env.apply(line_rule(env.summary()))[1]:
                 solved += 1
                 break
-    assert solved >= 170, solved  # 172 of 200 at 3 moves a turn (at 4 to 7: 175, at 2: 166)
+    assert solved >= 170, solved  # 175 of 200 today, at 4 moves a turn as at 7 (at 2: 166)
 
 
 def test_compact_answers_fit_the_tiny_response_budget(tiny_dir):

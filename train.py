@@ -195,10 +195,10 @@ PRESETS = {
     "tiny": TINY,
     "tiny-plan": TINY_PLAN,
     # Sokoban: Plan-Path's recipe, each move paid its cut in the moves left to a solve (a flag, off
-    # for real models: the spec's reward pays a walk to the box nothing; docs/results.md), and 3
-    # answer tokens (the warm-up's 2 moves and the end; a cut answer parses: at most 3 moves)
+    # for real models: the spec's reward pays a walk to the box nothing; docs/results.md), and 5
+    # answer tokens (the warm-up's 4 moves and the end; a cut answer parses: at most 5 moves)
     "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5,
-                     "max_new_tokens": 3, "eval_max_new_tokens": 3, "warmup_moves": 2},
+                     "max_new_tokens": 5, "eval_max_new_tokens": 5},
     # Sudoku: the spec's reward since its view names hidden singles (docs/results.md, Sudoku's view)
     "tiny-sudoku": {**TINY, "scale_rewards": "group", "temperature": 1.0, "warmup_steps": 600,
                     "steps": 50, "max_new_tokens": 17, "eval_max_new_tokens": 17,
