@@ -530,10 +530,10 @@ def check_task(cfg, given):
                          "./setup.sh, or pip install math-verify")
     if cfg["sudoku_wrong_fill"] != E.SUDOKU_FILL and cfg["task"] != "sudoku":
         raise SystemExit(f"--sudoku_wrong_fill is Sudoku's reward for a wrong legal fill, not "
-                         f"{cfg['task']!r}'s: drop it")
+                         f"{cfg['task']!r}'s{set_by(cfg, given, 'sudoku_wrong_fill')}: drop it")
     if cfg["sokoban_solve_shaping"] and cfg["task"] != "sokoban":
         raise SystemExit(f"--sokoban_solve_shaping shapes Sokoban's moves, not "
-                         f"{cfg['task']!r}'s: drop it")
+                         f"{cfg['task']!r}'s{set_by(cfg, given, 'sokoban_solve_shaping')}: drop it")
     tiny_run = tiny.is_tiny(cfg)
     budget = min(flag_values(cfg, "max_new_tokens"))
     if tiny_run and cfg["task"] in ("plan", "sokoban") and not 1 <= cfg["warmup_moves"] <= budget - 1:
@@ -543,6 +543,11 @@ def check_task(cfg, given):
     if tiny_run and cfg["task"] == "sudoku" and not 1 <= cfg["warmup_moves"] <= 16:
         raise SystemExit(f"--warmup_moves {cfg['warmup_moves']} must lie in [1, 16]: Sudoku's warm-up "
                          "answers fill that many of the 16 cells")
+
+
+def set_by(cfg, given, name):
+    """Where a flag's value came from, for an error that names what to drop: "" given, else its preset."""
+    return "" if name in given else f"; --preset {cfg['preset']} sets it"
 
 
 def _algos(accepts):

@@ -2020,10 +2020,11 @@ def test_sudoku_rewards_only_progress():
 
 
 def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tiny_dir):
-    """--sudoku_wrong_fill R (the spec's +0.1 for any legal fill, every preset's since 2026-11-30; the tiny Sudoku
-    preset's -0.3 before, issue 77's deviation): a legal fill off the solution (the test's own exhaustive solver)
+    """--sudoku_wrong_fill R (the spec's +0.1 for any legal fill, a real model's; the tiny Sudoku preset's -0.3,
+    issue 77's deviation, off for real models): a legal fill off the solution (the test's own exhaustive solver)
     earns R, a right fill still +0.1 and an illegal one -0.3; at 0.1 the wrong legal fill earns +0.1. The flag is
-    Sudoku's only, and reaches the training envs."""
+    Sudoku's only (given, or set by Sudoku's preset on another task: the error names the preset), and reaches the
+    training envs."""
     import train as T
     cases = 0
     for n, env in enumerate(E.test_set("sudoku", n=40, compact=True)):
@@ -2052,12 +2053,14 @@ def test_sudoku_wrong_fill_flag_charges_a_wrong_guess(monkeypatch, tmp_path, tin
     made = _training_envs(monkeypatch, tmp_path, ["--max_new_tokens", "17", "--task", "sudoku",
                                                   "--sudoku_wrong_fill", "-0.3"])
     assert made and all(env.wrong_fill == -0.3 for env in made)
-    # the tiny Sudoku default and a real model both keep the spec's reward; a flag wins
-    assert T.configure(["--task", "sudoku"])["sudoku_wrong_fill"] == E.SUDOKU_FILL == 0.1
-    assert T.configure(["--task", "sudoku", "--model", tiny_dir])["sudoku_wrong_fill"] == 0.1
-    assert T.configure(["--preset", "tiny-sudoku", "--task", "plan"])["sudoku_wrong_fill"] == 0.1
+    # the tiny Sudoku default charges -0.3, a real model keeps the spec's reward; a flag wins
+    assert T.configure(["--task", "sudoku"])["sudoku_wrong_fill"] == -0.3
+    assert T.configure(["--task", "sudoku", "--model", tiny_dir])["sudoku_wrong_fill"] == E.SUDOKU_FILL == 0.1
+    assert T.configure(["--task", "sudoku", "--sudoku_wrong_fill", "0.1"])["sudoku_wrong_fill"] == 0.1
+    with pytest.raises(SystemExit, match="^--sudoku_wrong_fill is Sudoku's .* --preset tiny-sudoku sets it: drop"):
+        T.configure(["--preset", "tiny-sudoku", "--task", "plan"])
     made = _training_envs(monkeypatch, tmp_path / "tiny", ["--max_new_tokens", "17", "--task", "sudoku"])
-    assert made and all(env.wrong_fill == 0.1 for env in made)
+    assert made and all(env.wrong_fill == -0.3 for env in made)
 
 
 def _training_envs(monkeypatch, tmp_path, flags):
@@ -2126,6 +2129,8 @@ def test_sokoban_solve_shaping_pays_each_move_its_cut_in_the_moves_left(monkeypa
     assert made and all(env.solve_shaping == 0.1 for env in made)
     assert T.configure(["--task", "sokoban"])["sokoban_solve_shaping"] == 0.5  # the tiny default
     assert T.configure(["--task", "sokoban", "--model", tiny_dir])["sokoban_solve_shaping"] == 0.0  # real models
+    with pytest.raises(SystemExit, match="^--sokoban_solve_shaping shapes .* --preset tiny-sokoban sets it: drop"):
+        T.configure(["--preset", "tiny-sokoban", "--task", "plan"])
 
 
 @pytest.mark.parametrize("task", ["plan", "sokoban", "sudoku"])

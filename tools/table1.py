@@ -4,7 +4,7 @@ default of each game, on seeds never used to choose a setting, at one budget of 
 
     python tools/table1.py run --game plan --row single_grpo --seeds 5101,5102,5103   # the runs of one cell
     python tools/table1.py table --game plan --seeds 5101,5102,5103                   # the table from the folders
-    python tools/table1.py run --game sudoku --row single_grpo --seeds 5201 --reward wrong_fill  # -0.3 a wrong fill
+    python tools/table1.py run --game sudoku --row single_grpo --seeds 5201 --reward spec  # +0.1 a wrong fill
 
 A cell's runs: `python train.py --task GAME --seed S --stop_step STEPS --time_limit_min 0 --eval_every STEPS
 --engine vllm --out_dir runs/table1/GAME-ROW-sS FLAGS`, one after another (`--reward R`: the game's REWARDS[R]
@@ -38,10 +38,10 @@ ROWS = {  # row: (the paper's name, train.py's flags)
     "mas_two_bases": ("two agents + AT-GRPO, tool tiny-small, plan tiny",
                       ["--policy", "tool=tiny-small", "--policy", "plan=tiny"]),
 }
-# the rewards beside a game's tiny default: tiny Sudoku charged a wrong legal fill -0.3 until 2026-11-30; tiny
-# Sokoban pays each move its cut in the moves left since then, the spec's reward beside it (issue 77's deviations,
-# flags). reward: train.py's flags that give it
-REWARDS = {"sudoku": {"wrong_fill": ["--sudoku_wrong_fill", "-0.3"]},
+# the spec's reward beside a game's tiny default: tiny Sudoku charges a wrong legal fill -0.3 (the spec pays +0.1),
+# tiny Sokoban pays each move its cut in the moves left (issue 77's deviations, flags off for real models).
+# reward: train.py's flags that give it
+REWARDS = {"sudoku": {"spec": ["--sudoku_wrong_fill", "0.1"]},
            "sokoban": {"spec": ["--sokoban_solve_shaping", "0"]}}
 # the paper's Table 1, Qwen3-1.7B, accuracy %: (Plan-Path, Sokoban, Sudoku); None: not a row of the paper
 PAPER = {
