@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import iter_hf_state, load_model
+from model import iter_hf_state, load_model, load_tokenizer
 
 
 @dataclass
@@ -31,8 +31,7 @@ class Completion:
 
 def stop_ids(model_dir):
     """End-of-sequence ids: <|im_end|> and <|endoftext|> (Qwen3's chat stops), read from the tokenizer."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     return sorted(i for i in ids if i is not None and i >= 0), len(tok)
 

@@ -28,6 +28,7 @@ import envs as E
 import policies as P
 import retrieval
 import train as T
+from model import load_tokenizer
 from rollout import Agents, evaluate
 
 # -----------------------------------------------------------------------------
@@ -150,12 +151,11 @@ def main(argv):
                            limit=cfg["limit"] or None, team=config.parse_team(cfg), turns=cfg["eval_turns"],
                            search=search)
 
-    from transformers import AutoTokenizer
     folders = sorted(set(paths.values()))
     engines = [P.make_engine(cfg["engine"], folder, seed=0, max_len=cfg["max_model_len"])
                for folder in folders]
     role_to_policy = {r: folders.index(p) for r, p in paths.items()}
-    agents = Agents(AutoTokenizer.from_pretrained(folders[0]), engines, role_to_policy,
+    agents = Agents(load_tokenizer(folders[0]), engines, role_to_policy,
                     max_prompt_tokens=cfg["max_prompt_tokens"])
     res = evaluate(test_envs, agents, cfg["eval_turns"], cfg["role_eval_sampling"], k=cfg["eval_k"],
                    progress=True)

@@ -432,6 +432,23 @@ def iter_hf_state(model, dtype=None):
         yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
+# the class tiny.build_tokenizer writes (transformers 5's name for a tokenizer.json tokenizer, and its
+# older one); AutoTokenizer resolves the same class but first imports transformers' model registry
+# (~5 s a process on 2 cores: every run, eval and test subprocess)
+PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path):
+    """The folder's tokenizer, as AutoTokenizer.from_pretrained(path) loads it: the plain
+    tokenizer.json class directly, any other (a real Qwen3's Qwen2Tokenizer) through AutoTokenizer."""
+    import transformers
+    with open(os.path.join(str(path), "tokenizer_config.json")) as f:
+        name = json.load(f).get("tokenizer_class")
+    if name in PLAIN_TOKENIZERS:
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def hf_state_dict(model):
     """name -> full tensor, HF names; lm_head dropped when tied. Holds the whole model: tests and
     tiny models only."""

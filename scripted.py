@@ -7,7 +7,7 @@ import functools
 import json
 
 import judge
-from model import iter_hf_state
+from model import iter_hf_state, load_tokenizer
 from engines import Completion, Engine, stop_ids
 
 
@@ -18,8 +18,7 @@ class ScriptedEngine(Engine):
     tiny model could never write. Reproducible: the rng is seeded from the engine seed and the call seed."""
 
     def __init__(self, model_dir, seed=0, max_len=2048, script=None):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tok = load_tokenizer(model_dir)
         self.stop, self.n_tokens = stop_ids(model_dir)
         self.eos = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.max_len, self.seed, self.calls = max_len, seed, 0

@@ -287,6 +287,35 @@ def test_bad_model_input_fails_fast(tmp_path):
         M.load_model(str(tmp_path))
 
 
+def test_tokenizer_loads_as_autotokenizer_without_the_model_registry(tiny_dir, tmp_path, monkeypatch):
+    """model.load_tokenizer gives what AutoTokenizer.from_pretrained gives (the reference: class, vocabulary,
+    the chat template's text, encodings, stop ids) and a process that loads the tiny tokenizer (train.py's,
+    eval.py's, the scripted engine's) never imports transformers' model registry: AutoTokenizer did, ~2 s of
+    every run's and test subprocess's start on 2 cores (docs/tests.md). Another class goes through
+    AutoTokenizer (a real Qwen3's Qwen2Tokenizer)."""
+    from transformers import AutoTokenizer
+    ours, ref = M.load_tokenizer(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    msgs = [{"role": "system", "content": "Plan the path."}, {"role": "user", "content": "S.#\n..G (1,2) U R"}]
+    assert type(ours) is type(ref) and ours.get_vocab() == ref.get_vocab()
+    for thinking in (False, True):
+        text = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=thinking) == text
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    assert (ours.eos_token_id, ours.pad_token_id) == (ref.eos_token_id, ref.pad_token_id)
+    code = ("import sys, scripted; scripted.ScriptedEngine(sys.argv[1]); "
+            "print('transformers.models.auto.modeling_auto' in sys.modules)")
+    r = subprocess.run([PY, "-c", code, tiny_dir], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr[-2000:]
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    conf = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**conf, "tokenizer_class": "Qwen2Tokenizer"}))
+    called = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda path: called.append(path) or ref)
+    assert M.load_tokenizer(other) is ref and called == [other]
+
+
 # -----------------------------------------------------------------------------
 # [engines] engines: vLLM, torch sampler, HF generate
 
@@ -400,6 +429,7 @@ def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     assert restored == before
 
 
+@pytest.mark.slow(10)
 @one_vllm
 def test_policy_switch_serves_each_policy_from_one_engine(tiny_dir, vllm_engine):
     """per_role on one engine (vLLM allows one sleep-mode engine per process): each policy's greedy tokens equal its
@@ -614,6 +644,7 @@ C.close_dist()  # a barrier first: a bare destroy aborted rank 1 at exit about 1
 """
 
 
+@pytest.mark.slow(15)
 @exact
 def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
     ids, _ = random_batch(261, [33] * 6, seed=5)
@@ -725,6 +756,7 @@ C.close_dist()
 """
 
 
+@pytest.mark.slow(19)
 def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
     """Under FSDP2 (2 ranks), a sync gathers one tensor at a time: peak extra memory is about one tensor (the largest,
     an MLP matrix: 3 MiB), where gathering the whole model first (the old sync) costs the model (~100 MiB)."""
@@ -1078,6 +1110,7 @@ def test_more_ranks_than_gpus_stop_with_the_fix(monkeypatch):
         C.setup_dist()
 
 
+@pytest.mark.slow(18)
 def test_the_suite_is_right_where_torch_sees_a_gpu(tmp_path):
     """The tests whose CPU parts once assumed a CPU machine, run where torch sees a GPU and nvidia-smi lists
     one (emulated: a pytest plugin makes torch.cuda.is_available() True before the suite loads; a stand-in
@@ -1100,6 +1133,7 @@ def test_the_suite_is_right_where_torch_sees_a_gpu(tmp_path):
     assert r.returncode == 0 and f"{ran} passed" in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.slow(10)
 def test_gpu_benchmark_and_check_start_here(tiny_dir):
     """bench.py gpu's update benchmark takes train.py's own configuration (it raised KeyError:
     'mini_batch_rows' when it was written by hand): one update of the tiny model with it, both layouts,
@@ -1216,6 +1250,7 @@ def test_selective_keeps_the_compiled_flex_kernel(monkeypatch):
     assert kept == ["inductor_compiled_code"], seen
 
 
+@pytest.mark.slow(17)
 @exact
 @pytest.mark.parametrize("ckpt", ["full", "selective"])
 def test_compiled_layers_same_loss_as_eager(tiny_dir, ckpt):
@@ -4843,6 +4878,7 @@ def test_per_role_sampling_flags_resolve_per_role():
             T.configure(argv)
 
 
+@pytest.mark.slow(12)
 def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir):
     """--train_roles plan: the tool agent's policy keeps sampling but is not updated (its weights bit-identical
     to the base after a step), the plan agent's is; with one shared policy, a frozen role's samples are left
@@ -4924,6 +4960,7 @@ def test_mask_truncated_trains_only_answers_that_ended(tmp_path, monkeypatch):
         assert [id(s) for s in seen["trained"]] == [id(s) for s in want]
 
 
+@pytest.mark.slow(13)
 def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
     too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the
@@ -4958,6 +4995,7 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
     assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
 
 
+@pytest.mark.slow(10)
 def test_entry_points_make_openmp_spin_briefly():
     """libgomp itself reports its spin count: 10,000 (threads.SPINCOUNT) in train.py, eval.py, bench.py and this
     suite's subprocesses, where its default spins 300,000 times after each parallel region (what made a step 7-40x
@@ -5409,6 +5447,7 @@ def test_resume_keeps_the_dlogp_alarms_history(tmp_path, monkeypatch):
     assert [r["dlogp_jump_p0"] for r in b] == [False, True]
 
 
+@pytest.mark.slow(22)
 @exact
 def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine):
     """--policies lora: a 2-step run equals 1 step + resume (adapters and AdamW state from DCP, the base from its
@@ -5558,6 +5597,7 @@ def test_time_limit_stops_every_rank_together(tmp_path):
     assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False True"] * 2
 
 
+@pytest.mark.slow(12)
 @exact
 @pytest.mark.parametrize("packed", [False, True])
 def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, packed):
@@ -5752,6 +5792,7 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch, cpu_machine):
     assert not any(r["dlogp_jump_p0"] for r in a) and b[1]["dlogp_jump_p0"]
 
 
+@pytest.mark.slow(17)
 def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
     """nll_p0, the sampled tokens' mean -log p (free from the sampler), estimates the per-token entropy
     that --entropy_coef computes over the whole vocabulary from the trainer's logits; a negligible
@@ -5866,6 +5907,7 @@ def test_run_folder_is_never_replaced_unasked(tmp_path):
     assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")] == [1]
 
 
+@pytest.mark.slow(13)
 def test_lr_schedule_shorter_than_the_run_holds_its_floor(tmp_path):
     """--lr_steps below --steps (nanoGPT's lr_decay_iters below max_iters): the cosine spans --lr_steps,
     the lr holds lr_min x lr after it, and the first --lr_steps steps are those of a run of that length."""
@@ -5988,6 +6030,7 @@ def uninterrupted_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow(20)
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.xdist_group("uninterrupted_run")
 def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig, uninterrupted_run):
@@ -6437,7 +6480,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
     r = _run(
-        [PY, "train.py", "--steps", "20", "--eval_every", "10", "--ckpt_every", "10", "--out_dir", str(out)],
+        [PY, "train.py", "--steps", "20", "--eval_every", "20", "--ckpt_every", "10", "--out_dir", str(out)],
         timeout=1200,
         merge=True,
         env_extra={tiny.CACHE_ENV: shared_bases},

@@ -159,8 +159,7 @@ def _build_base(path, cfg, size):
         shutil.rmtree(tmp, ignore_errors=True)
     m = build_tiny(tmp, seed=cfg["seed"], size=size)
     if E.TASKS[task]["warmup"] != "none" and cfg["warmup_steps"] > 0:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(tmp)
+        tok = M.load_tokenizer(tmp)
         rng = random.Random(cfg["seed"])
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
         first = 0

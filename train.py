@@ -51,7 +51,7 @@ import steplog
 import tiny
 from batching import DUMMY, collate, make_rows, micro_batches, split_minibatches
 from grpo_mas import ppo_loss
-from model import CHECKPOINT_MODES
+from model import CHECKPOINT_MODES, load_tokenizer
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
 # -----------------------------------------------------------------------------
@@ -582,8 +582,7 @@ def main(argv):
     tasks, test_envs = load_tasks(cfg)
     bases = tiny.bases(cfg, pols, master, world)  # HF folders (the tiny ones built once, cached)
     start = C.open_run(cfg, pols, master)
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(bases[0])  # Qwen3 sizes share one tokenizer
+    tokenizer = load_tokenizer(bases[0])  # Qwen3 sizes share one tokenizer
     torch.manual_seed(cfg["seed"])
     # a resume loads the newest intact checkpoint (start.ckpt; "" for a fresh run)
     models, opts, refs, engines = P.build(cfg, pols, bases, start.ckpt, rank, C.DEVICE)
