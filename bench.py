@@ -135,14 +135,13 @@ def bench_env_one(task):
     import envs as E
     from rollout import Agents, every_role, tree_rollout
     from scripted import DefaultScript, ScriptedEngine
-    from transformers import AutoTokenizer
     d = tempfile.mkdtemp()
     tiny.build_tokenizer(d)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(M.Qwen3Config(**M.SIZES["tiny"]).to_hf(), f)
     eng = ScriptedEngine(d, seed=0, script=DefaultScript(p_wrong=0.3, p_loop=0.05, p_hostile=0.02))
     agents = Agents(
-        AutoTokenizer.from_pretrained(d), [eng], {r: 0 for r in ("tool", "coder", "tester", "reasoner")}, 100000
+        M.load_tokenizer(d), [eng], {r: 0 for r in ("tool", "coder", "tester", "reasoner")}, 100000
     )
     rows = E.load_split(task, "train")
     rng = random.Random(0)
@@ -206,11 +205,10 @@ def bench_train(n_rollouts=3, repeats=5):
     from grpo_mas import compute_advantages
     from policies import make_engine
     from rollout import Agents, every_role, tree_rollout
-    from transformers import AutoTokenizer
     cfg = T.configure([])  # the CPU default (preset tiny-plan; its rollouts here are plain, no refill)
     base = tiny.base_path(cfg)
     tiny.build_base(base, cfg)  # cached: the same base every default run starts from
-    tok = AutoTokenizer.from_pretrained(base)
+    tok = M.load_tokenizer(base)
     agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])], {"tool": 0, "plan": 0},
                     cfg["max_prompt_tokens"])
     rollouts = []
@@ -277,11 +275,10 @@ def bench_refill(steps=3, repeats=2):
     import train as T
     from policies import make_engine
     from rollout import Agents
-    from transformers import AutoTokenizer
     cfg = T.configure([])  # the CPU default: preset tiny-plan, --dynamic_sampling 3
     base = tiny.base_path(cfg)
     tiny.build_base(base, cfg)  # cached: the same base every default run starts from
-    tok = AutoTokenizer.from_pretrained(base)
+    tok = M.load_tokenizer(base)
     agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])], {"tool": 0, "plan": 0},
                     cfg["max_prompt_tokens"])
     tasks, _ = T.load_tasks(cfg)
@@ -545,10 +542,9 @@ def default_steps(engine, repeats):
     import train as T
     from policies import make_engine
     from rollout import Agents
-    from transformers import AutoTokenizer
     cfg = T.configure([])
     base = tiny.base_path(cfg)  # built by the parent, alone
-    tok = AutoTokenizer.from_pretrained(base)
+    tok = M.load_tokenizer(base)
     eng = make_engine(engine, base, seed=0, max_len=cfg["max_model_len"])
     agents = Agents(tok, [eng], {"tool": 0, "plan": 0}, cfg["max_prompt_tokens"])
     tasks, _ = T.load_tasks(cfg)
@@ -631,11 +627,10 @@ def share_child(kind, threads_n, repeats):
     import random
     import train as T
     from rollout import Agents
-    from transformers import AutoTokenizer
     torch.set_num_threads(threads_n)
     cfg = T.configure([])
     base = tiny.base_path(cfg)  # built by the parent, alone
-    tok = AutoTokenizer.from_pretrained(base)
+    tok = M.load_tokenizer(base)
     end = [tok.convert_tokens_to_ids("<|im_end|>")]
     parts = {}
     if kind == "warmup":

@@ -442,8 +442,11 @@ def load_tokenizer(path):
     """The folder's tokenizer, as AutoTokenizer.from_pretrained(path) loads it: the plain
     tokenizer.json class directly, any other (a real Qwen3's Qwen2Tokenizer) through AutoTokenizer."""
     import transformers
-    with open(os.path.join(str(path), "tokenizer_config.json")) as f:
-        name = json.load(f).get("tokenizer_class")
+    conf = os.path.join(str(path), "tokenizer_config.json")
+    name = None
+    if os.path.isfile(conf):  # (without one, AutoTokenizer reads the model's type from config.json)
+        with open(conf) as f:
+            name = json.load(f).get("tokenizer_class")
     if name in PLAIN_TOKENIZERS:
         return transformers.PreTrainedTokenizerFast.from_pretrained(path)
     return transformers.AutoTokenizer.from_pretrained(path)

@@ -314,6 +314,8 @@ def test_tokenizer_loads_as_autotokenizer_without_the_model_registry(tiny_dir, t
     called = []
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda path: called.append(path) or ref)
     assert M.load_tokenizer(other) is ref and called == [other]
+    (other / "tokenizer_config.json").unlink()  # a folder without one: AutoTokenizer's own fallback
+    assert M.load_tokenizer(other) is ref and called == [other, other]
 
 
 # -----------------------------------------------------------------------------
