@@ -434,7 +434,7 @@ def iter_hf_state(model, dtype=None):
 
 # the class tiny.build_tokenizer writes (transformers 5's name for a tokenizer.json tokenizer, and its
 # older one); AutoTokenizer resolves the same class but first imports transformers' model registry
-# (~5 s a process on 2 cores: every run, eval and test subprocess)
+# (~2 s a process on 2 cores: every run, eval and test subprocess; docs/tests.md)
 PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
