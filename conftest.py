@@ -2,9 +2,15 @@
 The suite's order under `pytest -n 2` (README): the slowest tests first, so that the two workers end
 together instead of one running the 4-minute default run alone at the end. A test's `slow` marker
 holds its seconds measured on 2 cores (docs/tests.md); without a number it counts as 20. Run
-without -n, the suite keeps the file's order.
+without -n, the suite keeps the file's order. Each worker runs its share of the cores (torch's threads and
+those of the runs it starts): N workers at a thread per core each ran N threads a core (docs/tests.md).
 """
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # (before any test module imports torch)
+    cores = len(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))  # a value you set wins
 
 
 def pytest_collection_modifyitems(items):

