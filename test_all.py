@@ -2389,6 +2389,26 @@ def test_sandbox_is_an_os_boundary():
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
 
 
+def test_sandbox_starts_python_without_the_interpreters_own_site_packages():
+    """A program sees the standard library and the project's libraries (SANDBOX_SITE), not the site-packages of the
+    interpreter the venv was made from, whose .pth files ran start-up code in every program (on these machines one
+    imports certifi: 83 -> 35 ms a program, python -I -S). exit(), quit() and help() are there as in `python` (the
+    harnesses' programs and the exit tricks use them), with and without bubblewrap."""
+    import site
+    own = site.getsitepackages([sys.base_prefix])  # the interpreter's, not the venv's
+    prog = ("import sys, json\nprint(json.dumps([sys.path, type(exit).__name__, type(quit).__name__, "
+            "type(help).__name__]))\nimport numpy, sympy\nexit(3)\n")
+    for no_bwrap in (False, True):
+        S._BWRAP_OK = None if not no_bwrap else False
+        try:
+            r = S.run_code(prog, timeout=60.0, cache=False)
+        finally:
+            S._BWRAP_OK = None
+        path, *kinds = json.loads(r.stdout)
+        assert r.returncode == 3 and kinds == ["Quitter", "Quitter", "_Helper"], (r.stdout, r.stderr[-500:])
+        assert own and not [p for p in path if p in own], (own, path)
+
+
 def test_sandbox_caches_repeated_runs():
     S.clear_cache()
     before = dict(S.stats)
