@@ -795,7 +795,7 @@ def _kept_bytes(c, ckpt, lora_rank=0, device="cpu", batch=None):
         M.add_lora(mm, ["a"], lora_rank, 2.0 * lora_rank)
     for layer in mm.model.layers:
         layer.checkpoint = ckpt
-    ids, pos, mask = batch or (torch.randint(0, c.vocab_size, (1, 32)), None, None)
+    ids, pos, mask = batch or (torch.randint(0, c.vocab_size, (1, 8)), None, None)
     params = {p.untyped_storage().data_ptr() for p in mm.parameters()}
     seen, caches = {}, []
 
@@ -858,7 +858,7 @@ def test_memory_planner_formulas_vs_measured():
         return sum(seen.values()) / (64 * 1000)
     assert head_saved(True) - head_saved(False) == pytest.approx(4.0, abs=0.01)  # memory.logits_bytes: the +4 of +16
 
-    T = 32  # _kept_bytes' default batch
+    T = 8  # _kept_bytes' default batch
     for size in ("0.6B", "1.7B", "8B"):
         shape = {k: v for k, v in M.SIZES[size].items() if k != "num_hidden_layers"}
         c1, c2 = (M.Qwen3Config(**shape, vocab_size=1000, num_hidden_layers=n) for n in (1, 2))
