@@ -1165,12 +1165,11 @@ def test_gpu_check_steps_carry_a_gradient(tiny_dir, tmp_path):
     advantages every gradient was 0 and the first GPU check said ok over steps that trained nothing. Its
     flags (the entropy bonus) must give every policy a gradient above 0: the same steps on the tiny model."""
     import gpu_check
-    for design in ("shared", "lora"):
+    import train as T
+    for design in ("shared", "lora"):  # (in this process: a train.py process's start-up is ~4 s of the ~16)
         out = str(tmp_path / design)
-        r = subprocess.run([PY, "train.py", "--model", tiny_dir, *gpu_check.STEP, "--steps", "1", "--ckpt_every",
-                            "0", "--policies", design, "--out_dir", out], cwd=HERE, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
+        T.main(["--model", tiny_dir, *gpu_check.STEP, "--steps", "1", "--ckpt_every", "0", "--policies", design,
+                "--out_dir", out])
         rec = gpu_check.last_record(out)
         norms, moved = gpu_check.grad_norms(rec)
         assert rec["zero_var_frac"] == 1.0 and moved and len(norms) == (1 if design == "shared" else 2), rec
