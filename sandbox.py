@@ -102,8 +102,9 @@ def _hook(ev, args):
                 "os.truncate", "os.mkdir", "os.symlink", "os.link") and not _inside(args[0]):
         raise PermissionError("sandbox: changing files outside the working directory is not allowed")
 sys.addaudithook(_hook)
-import site  # (python -S: none of the interpreter's own site-packages nor its .pth start-up code, which cost
-site.setquit(); site.setcopyright(); site.sethelper()  # 45 ms a program here); exit(), quit(), help() as usual
+# python -S: none of the interpreter's own site-packages or .pth start-up code (45 ms a program on some machines);
+import site  # exit(), quit() and help() as `python` defines them
+site.setquit(); site.setcopyright(); site.sethelper()
 sys.path += [p for p in os.environ.pop("SANDBOX_SITE", "").split(":") if p]  # third-party libraries (sympy, numpy)
 sys.argv = ["prog.py"]
 import runpy
