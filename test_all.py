@@ -5847,10 +5847,10 @@ def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
 @pytest.mark.slow(75)
 @pytest.mark.xdist_group("shared_bases")
 def test_resume_reproduces_uninterrupted_run(tmp_path, shared_bases):
-    """Default path (vLLM engine): kill a run after its step-2 checkpoint, resume, compare with an uninterrupted run.
-    Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine (step-matched comparisons).
-    The base is the default run's (SHARED_WARMUP, shared_bases): whichever test of the group runs first
-    builds it."""
+    """Default path (the torch sampler): kill a run after its step-2 checkpoint, resume, compare with an
+    uninterrupted run. Both stop at --stop_step 4 of a 6-step schedule: the lr follows the 6-step cosine
+    (step-matched comparisons). The base is the default run's (SHARED_WARMUP, shared_bases): whichever test of the
+    group runs first builds it."""
     args = [
         PY,
         "train.py",
