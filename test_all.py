@@ -5851,8 +5851,8 @@ def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path, monkeypatch
     """nll_p0, the sampled tokens' mean -log p (free from the sampler), estimates the per-token entropy
     that --entropy_coef computes over the whole vocabulary from the trainer's logits; a negligible
     coefficient only switches that computation on."""
-    base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--warmup_steps", "0", "--steps", "3",
-                         "--envs_per_step", "4", "--entropy_coef", "1e-12", *WARM20]
+    base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--steps", "3", "--envs_per_step", "4",
+                         "--entropy_coef", "1e-12", *WARM20]
     monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
     import train as T
     T.main(base + ["--out_dir", str(tmp_path / "a")])
