@@ -5673,7 +5673,8 @@ def shared_bases(tmp_path_factory):
 # reached 0.07 -> 0.42 held-out (0.635 on ATen's default kernels), from the 150-step base 0.065 -> 0.22 (2026-12-03)
 SHARED_WARMUP = ["--warmup_steps", "60"]
 # the default-run test's evaluations on the first 100 test puzzles, not the preset's 200 (a third of its
-# train.py's evaluation time and eval.py's generation): 0.05 -> 0.42 there, 0.05 on vLLM (2026-12-03)
+# train.py's evaluation time and eval.py's generation): 0.05 -> 0.42 there (0.63 on ATen's default kernels), 0.05
+# on vLLM (2026-12-03)
 EVAL_N = ["--eval_n", "100"]
 
 
