@@ -4588,6 +4588,12 @@ def warm_bases(tmp_path_factory):
     return str(tmp_path_factory.mktemp("warm_bases"))
 
 
+@pytest.fixture
+def warm_cache(warm_bases, monkeypatch):
+    """This test's runs find and build their bases in warm_bases (over tiny_cache's own tmp_path)."""
+    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
+
+
 @pytest.mark.slow(15)
 @pytest.mark.parametrize("task", list(E.TASKS))
 def test_train_smoke_every_combination(task, tmp_path):
@@ -4918,14 +4924,13 @@ def test_per_role_sampling_flags_resolve_per_role():
 
 @pytest.mark.slow(12)
 @pytest.mark.xdist_group("warm_bases")
-def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir, warm_bases, monkeypatch):
+def test_role_schedules_freeze_roles_and_take_turns(tmp_path, tiny_dir, warm_cache):
     """--train_roles plan: the tool agent's policy keeps sampling but is not updated (its weights bit-identical
     to the base after a step), the plan agent's is; with one shared policy, a frozen role's samples are left
     out of the update (fewer trained tokens, same samples). --alternate_every 1: the roles take turns, and the
     log says which trained."""
     import train as T
     from safetensors.torch import load_file
-    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
     args = SMOKE + [*WARM20, "--envs_per_step", "4", "--lr", "1e-2", "--ckpt_every", "1"]
     out = tmp_path / "frozen"
     T.main(args + ["--policies", "per_role", "--train_roles", "plan", "--out_dir", str(out)])
@@ -5002,12 +5007,11 @@ def test_mask_truncated_trains_only_answers_that_ended(tmp_path, monkeypatch):
 
 @pytest.mark.slow(13)
 @pytest.mark.xdist_group("warm_bases")
-def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_bases):
+def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_cache):
     """--dynamic_sampling 3 on the tiny default: a step's first rollout is the plain run's (the same seeds); while
     too few groups carry a signal, fresh envs are rolled out (at most 3 rollouts), the step trains on at most the
     first rollout's number of groups, and the log and the step line say how many rollouts it made."""
     import train as T
-    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
     args = SMOKE + [*WARM20, "--envs_per_step", "4", "--steps", "3", "--K", "3"]
     T.main(args + ["--dynamic_sampling", "0", "--out_dir", str(tmp_path / "plain")])
     T.main(args + ["--dynamic_sampling", "3", "--out_dir", str(tmp_path / "dyn")])
@@ -5848,13 +5852,12 @@ def test_stale_engine_shows_in_dlogp(tmp_path, monkeypatch, cpu_machine):
 
 @pytest.mark.slow(17)
 @pytest.mark.xdist_group("warm_bases")
-def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path, monkeypatch, warm_bases):
+def test_sampled_nll_estimates_the_full_vocabulary_entropy(tmp_path, warm_cache):
     """nll_p0, the sampled tokens' mean -log p (free from the sampler), estimates the per-token entropy
     that --entropy_coef computes over the whole vocabulary from the trainer's logits; a negligible
     coefficient only switches that computation on."""
     base = SMOKE[:-6] + ["--engine", "torch", "--max_new_tokens", "6", "--steps", "3", "--envs_per_step", "4",
                          "--entropy_coef", "1e-12", *WARM20]
-    monkeypatch.setenv(tiny.CACHE_ENV, warm_bases)
     import train as T
     T.main(base + ["--out_dir", str(tmp_path / "a")])
     recs = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"nll_p0"' in l]
