@@ -37,7 +37,7 @@ def configure(argv, flags, presets, choices, source):
     block --help prints."""
     cfg = dict(flags)
     given = parse_flags(argv, cfg, choices, per_role=CASTS_OF_FLAG, repeatable=("policy",),
-                          help_text=help_text(source, flags, presets))
+                        help_text=lambda: help_text(source, flags, presets))
     apply_preset(cfg, given, presets, tiny.is_tiny(cfg), flags)
     # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
     # std); asked for by flag, they are checked (check_method)
@@ -156,13 +156,14 @@ def preset_note(name, default, presets):
     return f" [{'; '.join(parts)}]" if parts else ""
 
 
-def parse_flags(argv, cfg, choices, per_role=None, repeatable=(), help_text=""):
+def parse_flags(argv, cfg, choices, help_text, per_role=None, repeatable=()):
     """Overwrites cfg[name] for every flag in argv; returns the names given. Bools take true/false; `per_role`
     ({flag: its type}) flags may also take ROLE=VALUE,..., read into {role: value} (the roles are checked against the
-    task's later); `repeatable` ones join their values."""
+    task's later); `repeatable` ones join their values. `help_text()` is what --help prints (built only then: it
+    reads the script's source)."""
     per_role = per_role or {}
     if "--help" in argv or "-h" in argv:
-        print(help_text)
+        print(help_text())
         raise SystemExit(0)
     given, i = [], 0
     while i < len(argv):

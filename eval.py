@@ -59,8 +59,8 @@ def configure(argv):
     cfg = dict(FLAGS)
     choices = {k: v for k, v in T.CHOICES.items() if k in cfg}
     per_role = {k: cast for k, cast in config.CASTS_OF_FLAG.items() if k in cfg}
-    given = config.parse_flags(argv, cfg, choices, per_role=per_role, repeatable=("policy", "files"),
-                          help_text=help_text())
+    given = config.parse_flags(argv, cfg, choices, help_text, per_role=per_role,
+                               repeatable=("policy", "files"))
     if not cfg["task"]:
         raise SystemExit(f"--task is required ({', '.join(E.TASKS)}); tables and plots of training runs: "
                          "tools/runs.py")
