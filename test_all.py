@@ -619,12 +619,12 @@ def test_lora_engine_serves_each_adapter_after_sync(tiny_dir, vllm_engine):
 # [fsdp] FSDP2: 2 processes (gloo) against one process
 
 
+# the FSDP2 tests' parts of one launch of 2 ranks (TWO_RANKS: the process group is up; each part writes its
+# OUT_* file from rank 0)
 FSDP_WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
 from engines import TorchEngine
-dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 m = M.load_model(os.environ["TINY"])
@@ -642,35 +642,47 @@ eng = TorchEngine(os.environ["TINY"])
 eng.sync(m)
 if rank == 0:
     engine_weights = dict(eng.model.named_parameters())
-    torch.save({"loss": tot, "grads": grads, "state": state, "engine": engine_weights}, os.environ["OUTF"])
+    torch.save({"loss": tot, "grads": grads, "state": state, "engine": engine_weights}, os.environ["OUT_FSDP"])
+"""
+
+
+TWO_RANKS = r"""
+import os, runpy, sys, torch.distributed as dist
+sys.path.insert(0, os.environ["HERE"])
+import common as C
+dist.init_process_group("gloo")
+for part in sys.argv[1:]:  # each FSDP2 test's part, one after another in the same two ranks
+    runpy.run_path(part, run_name="__main__")
 C.close_dist()  # a barrier first: a bare destroy aborted rank 1 at exit about 1 run in 30 (see close_dist)
 """
 
 
+@pytest.fixture(scope="session")
+def two_ranks(tiny_dir, tmp_path_factory):
+    """One torchrun launch of 2 ranks for the FSDP2 tests (xdist_group "two_ranks"; a rank's start is ~7 s of CPU):
+    FSDP_WORKER's gradients and sync, DIST_WORKER's updates, SYNC_WORKER's memory. The folder of their inputs and
+    outputs (out_fsdp.pt, two.pt, o.json); each test checks its part against this process."""
+    d = tmp_path_factory.mktemp("two_ranks")
+    ids, _ = random_batch(261, [33] * 6, seed=5)
+    torch.save(ids, d / "batch.pt")
+    tiny.build_tiny(str(d / "big"), hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, num_hidden_layers=8)
+    parts = {"fsdp.py": FSDP_WORKER, "update.py": DIST_WORKER, "sync.py": SYNC_WORKER}
+    for name, text in {"w.py": TWO_RANKS, **parts}.items():
+        (d / name).write_text(text)
+    _run(torchrun(str(d / "w.py"), *[str(d / n) for n in parts]),
+         env_extra={"HERE": HERE, "TINY": tiny_dir, "BATCH": str(d / "batch.pt"), "OUT_FSDP": str(d / "out_fsdp.pt"),
+                    "OUTF": str(d / "two.pt"), "PACK": "1", "MODEL": str(d / "big"), "OUT_SYNC": str(d / "o.json"),
+                    **CPU_RANKS}, timeout=600)
+    return d
+
+
 @pytest.mark.slow(15)
 @exact
-def test_fsdp2_two_processes_match_single(tiny_dir, tmp_path):
-    ids, _ = random_batch(261, [33] * 6, seed=5)
-    torch.save(ids, tmp_path / "batch.pt")
-    (tmp_path / "w.py").write_text(FSDP_WORKER)
-    env = {
-        **os.environ,
-        "HERE": HERE,
-        "TINY": tiny_dir,
-        "BATCH": str(tmp_path / "batch.pt"),
-        "OUTF": str(tmp_path / "out.pt"),
-        "OMP_NUM_THREADS": "1",
-        **CPU_RANKS,
-    }
-    r = subprocess.run(
-        torchrun(str(tmp_path / "w.py")),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
+@pytest.mark.xdist_group("two_ranks")
+def test_fsdp2_two_processes_match_single(tiny_dir, two_ranks):
+    ids = torch.load(two_ranks / "batch.pt")
+    got = torch.load(two_ranks / "out_fsdp.pt")
     m = M.load_model(tiny_dir)
     loss = -M.token_logprobs(m, ids[:, :-1], ids[:, 1:]).sum() / ids.numel()
     loss.backward()
@@ -734,10 +746,8 @@ def test_collectives_use_the_device_the_code_runs_on(tiny_dir, monkeypatch):
 
 SYNC_WORKER = r"""
 import gc, json, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
 from engines import TorchEngine
-dist.init_process_group("gloo")
 m = M.shard(M.load_model(os.environ["MODEL"]))
 eng = TorchEngine(os.environ["MODEL"], device="cpu")
 hwm = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
@@ -754,24 +764,20 @@ streamed = min(peak_extra(lambda: eng.sync(m))[0] for _ in range(3))
 whole, state = peak_extra(lambda: M.hf_state_dict(m))  # the old sync's first step: every full tensor at once
 same = all(torch.equal(p, state[k]) for k, p in eng.model.named_parameters() if k in state)
 if dist.get_rank() == 0:
-    json.dump({"streamed": streamed, "whole": whole, "same": same}, open(os.environ["OUTF"], "w"))
-C.close_dist()
+    json.dump({"streamed": streamed, "whole": whole, "same": same}, open(os.environ["OUT_SYNC"], "w"))
 """
 
 
 @pytest.mark.slow(19)
-def test_streamed_sync_holds_one_tensor_not_the_model(tmp_path):
+@pytest.mark.xdist_group("two_ranks")
+def test_streamed_sync_holds_one_tensor_not_the_model(two_ranks):
     """Under FSDP2 (2 ranks), a sync gathers one tensor at a time: peak extra memory is about one tensor (the largest,
-    an MLP matrix: 3 MiB), where gathering the whole model first (the old sync) costs the model (~100 MiB)."""
-    d = str(tmp_path / "m")
-    big = tiny.build_tiny(d, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
-                       head_dim=64, num_hidden_layers=8)
+    an MLP matrix: 3 MiB), where gathering the whole model first (the old sync) costs the model (~100 MiB). (The
+    ranks' peak RSS is reset before each measurement: the launch's other parts before it do not count.)"""
+    big = M.load_model(str(two_ranks / "big"))
     model_bytes = 4 * big.num_params()
     largest = 4 * max(p.numel() for p in big.parameters())
-    (tmp_path / "w.py").write_text(SYNC_WORKER)
-    _run(torchrun(str(tmp_path / "w.py")),
-         env_extra={"HERE": HERE, "MODEL": d, "OUTF": str(tmp_path / "o.json"), **CPU_RANKS})
-    r = json.load(open(tmp_path / "o.json"))
+    r = json.load(open(two_ranks / "o.json"))
     assert r["same"]  # the engine holds exactly the trainer's weights
     assert r["whole"] > 0.8 * model_bytes  # the measurement can see a whole-model copy ...
     print(r, largest)
@@ -5608,12 +5614,9 @@ def one_thread():
 
 DIST_WORKER = r"""
 import json, os, random, sys, torch, torch.distributed as dist
-sys.path.insert(0, os.environ["HERE"])
 import common as C, model as M, train as T
 from rollout import Sample
-world = int(os.environ.get("WORLD_SIZE", "1"))
-if world > 1:
-    dist.init_process_group("gloo")
+world = int(os.environ.get("WORLD_SIZE", "1"))  # 1: this test's own process
 rank = dist.get_rank() if world > 1 else 0
 results = {}
 for siblings in (False, True):  # both of the test's cases in one launch (a start costs ~7 s of CPU)
@@ -5641,7 +5644,6 @@ for siblings in (False, True):  # both of the test's cases in one launch (a star
                          "state": M.hf_state_dict(m)}
 if rank == 0:
     torch.save(results, os.environ["OUTF"])
-C.close_dist()
 """
 
 
@@ -5698,18 +5700,16 @@ def test_time_limit_stops_every_rank_together(tmp_path):
 
 @pytest.mark.slow(20)
 @exact
-def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.xdist_group("two_ranks")
+def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, monkeypatch, two_ranks):
     """Two FSDP2 ranks with uneven sample counts equal one process; and sibling groups trained as packed rows on
-    2 ranks equal the per-sample rows in one process. One launch of the two ranks computes both cases, and this
-    process, on one thread, the one-process side."""
-    (tmp_path / "w.py").write_text(DIST_WORKER)
-    env = {"HERE": HERE, "TINY": tiny_dir, **CPU_RANKS}
-    for k, v in {"HERE": HERE, "TINY": tiny_dir, "OUTF": str(tmp_path / "one.pt"), "PACK": "0"}.items():
+    2 ranks equal the per-sample rows in one process. The two ranks (two_ranks' launch) compute both cases, and
+    this process, on one thread, the one-process side."""
+    for k, v in {"TINY": tiny_dir, "OUTF": str(tmp_path / "one.pt"), "PACK": "0"}.items():
         monkeypatch.setenv(k, v)
     with one_thread():  # the one process: this one (a start fewer), on one thread as each rank
         exec(compile(DIST_WORKER, "w.py", "exec"), {"__name__": "__main__"})
-    _run(torchrun(str(tmp_path / "w.py")), env_extra={**env, "OUTF": str(tmp_path / "two.pt"), "PACK": "1"})
-    ones, twos = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    ones, twos = torch.load(tmp_path / "one.pt"), torch.load(two_ranks / "two.pt")
     for packed in (False, True):
         one, two = ones[packed], twos[packed]
         assert one["tokens"] == two["tokens"]
