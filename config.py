@@ -36,8 +36,8 @@ def configure(argv, flags, presets, choices, source):
     the recipe (train.py's globals), `presets`: train.PRESETS, `source`: the script whose config
     block --help prints."""
     cfg = dict(flags)
-    given = parse_flags(argv, cfg, choices, per_role=CASTS_OF_FLAG, repeatable=("policy",),
-                        help_text=lambda: help_text(source, flags, presets))
+    given = parse_flags(argv, cfg, choices, lambda: help_text(source, flags, presets),
+                        per_role=CASTS_OF_FLAG, repeatable=("policy",))
     apply_preset(cfg, given, presets, tiny.is_tiny(cfg), flags)
     # flags a preset does not set for this --algo (gigpo: its own groups, no DAPO filter or step-wide
     # std); asked for by flag, they are checked (check_method)
