@@ -2473,18 +2473,26 @@ REFERENCES_PASSED = {
 }
 
 
+def _pinned_rows(pins):
+    """The rows of each data file of `pins` ({file: sha256}), each file checked to be the one whose every row
+    passed (one that changed is checked whole again, then its hash updated: docs/tests.md)."""
+    import hashlib
+    by_file = []
+    for f, digest in pins.items():
+        path = os.path.join(E.DATA, f)
+        with open(path, "rb") as fh:
+            assert hashlib.sha256(fh.read()).hexdigest() == digest, f"{f} changed: check its every row (docs/tests.md)"
+        by_file.append(E.load_jsonl(path))
+    return by_file
+
+
 @pytest.mark.slow(61)
 def test_reference_solutions_pass_their_tests():
     """Every row ships a reference solution that passes its own tests: the files are the ones whose every row passed
     (REFERENCES_PASSED), and every second row of the evaluation files and one in sixteen of LeetCode train pass
     through today's judge and sandbox (515 programs; the whole files: 2,680, 2 minutes on 2 cores)."""
-    import hashlib
-    rows, by_file = [], []
-    for f, digest in REFERENCES_PASSED.items():
-        with open(os.path.join(E.DATA, f), "rb") as fh:
-            assert hashlib.sha256(fh.read()).hexdigest() == digest, f"{f} changed: check its every row (docs/tests.md)"
-        by_file.append(E.load_jsonl(os.path.join(E.DATA, f)))
-        rows += by_file[-1]
+    by_file = _pinned_rows(REFERENCES_PASSED)
+    rows = [r for rs in by_file for r in rs]
     assert all(E.reference_solution(r) for r in rows)  # every row of these files ships one
     checked = [r for rs in by_file[:3] for r in rs[::2]] + by_file[3][::16]
     t0 = time.time()
@@ -2655,12 +2663,7 @@ def test_every_functional_row_runs_its_starter_signature():
     every shipped functional row's starter code with a trivial body must run without a NameError. The files are
     the ones whose every functional row did (381 rows, 0 failed, 14 s, at 64030bf; STARTERS_RAN), and every second row
     runs through today's judge and sandbox."""
-    import hashlib
-    rows = []
-    for f, digest in STARTERS_RAN.items():
-        with open(os.path.join(E.DATA, f), "rb") as fh:
-            assert hashlib.sha256(fh.read()).hexdigest() == digest, f"{f} changed: run its every row (docs/tests.md)"
-        rows += [r for r in E.load_jsonl(os.path.join(E.DATA, f)) if r["test_type"] == "functional"]
+    rows = [r for rs in _pinned_rows(STARTERS_RAN) for r in rs if r["test_type"] == "functional"]
     assert len(rows) == 277 + 104
     rows = rows[::2]
     progs = [J._program(r, r["starter_code"].rstrip() + "\n        return None\n") for r in rows]
