@@ -672,8 +672,8 @@ def two_ranks(tiny_dir, tmp_path_factory):
     for name, text in {"w.py": TWO_RANKS, **parts}.items():
         (d / name).write_text(text)
     _run(torchrun(str(d / "w.py"), *[str(d / n) for n in parts]),
-         env_extra={"HERE": HERE, "TINY": tiny_dir, "BATCH": str(d / "batch.pt"), "OUT_FSDP": str(d / "out_fsdp.pt"),
-                    "OUTF": str(d / "two.pt"), "PACK": "1", "MODEL": str(d / "big"), "OUT_SYNC": str(d / "o.json"),
+         env_extra={"HERE": HERE, "TINY": tiny_dir, "BATCH": str(d / "batch.pt"), "MODEL": str(d / "big"), "PACK": "1",
+                    "OUT_SYNC": str(d / "o.json"), "OUT_FSDP": str(d / "out_fsdp.pt"), "OUT_UPDATE": str(d / "two.pt"),
                     **CPU_RANKS}, timeout=600)
     return d
 
@@ -5652,7 +5652,7 @@ for siblings in (False, True):  # both of the test's cases in one launch (a star
     results[siblings] = {"loss": loss[0], "tokens": loss[1], "grad_norm": st.grad_norm,
                          "state": M.hf_state_dict(m)}
 if rank == 0:
-    torch.save(results, os.environ["OUTF"])
+    torch.save(results, os.environ["OUT_UPDATE"])
 """
 
 
@@ -5714,7 +5714,7 @@ def test_fsdp_update_two_ranks_uneven_equals_one_process(tiny_dir, tmp_path, mon
     """Two FSDP2 ranks with uneven sample counts equal one process; and sibling groups trained as packed rows on
     2 ranks equal the per-sample rows in one process. The two ranks (two_ranks' launch) compute both cases, and
     this process, on one thread, the one-process side."""
-    for k, v in {"TINY": tiny_dir, "OUTF": str(tmp_path / "one.pt"), "PACK": "0"}.items():
+    for k, v in {"TINY": tiny_dir, "OUT_UPDATE": str(tmp_path / "one.pt"), "PACK": "0"}.items():
         monkeypatch.setenv(k, v)
     with one_thread():  # the one process: this one (a start fewer), on one thread as each rank
         exec(compile(DIST_WORKER, "w.py", "exec"), {"__name__": "__main__"})
