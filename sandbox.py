@@ -132,9 +132,10 @@ def _bwrap_prefix(work):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
+    args += ["--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
     for p in [sys.base_prefix] + libs:
         args += ["--ro-bind", p, p]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", work, "/sandbox", "--chdir", "/sandbox"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--bind", work, "/sandbox", "--chdir", "/sandbox"]
     return args, exe, libs
 
 

@@ -2428,6 +2428,26 @@ def test_sandbox_starts_python_without_the_interpreters_own_site_packages():
         assert own and not [p for p in path if p in own], (own, path)
 
 
+def test_sandbox_sees_libraries_that_live_under_tmp(monkeypatch):
+    """The libraries it exposes stay visible under its private /tmp: a fresh clone in /tmp (its venv there) had
+    them hidden by the tmpfs mounted over them, so its code judge failed 16 of the 465 harness cases (numpy, sympy
+    not importable: the model's code that uses them failed too). A module in a folder under /tmp, exposed as the
+    venv's site-packages are, imports in the sandbox; /tmp is still its own (the folder's neighbours unseen)."""
+    lib = tempfile.mkdtemp(prefix="site_", dir="/tmp")
+    neighbour = tempfile.mkdtemp(prefix="other_", dir="/tmp")
+    with open(os.path.join(lib, "probe_lib.py"), "w") as f:
+        f.write("X = 42\n")
+    exe, libs = S._python()
+    monkeypatch.setattr(S, "_python", lambda: (exe, libs + [lib]))
+    prog = f"import os, probe_lib\nprint(probe_lib.X, os.path.exists({neighbour!r}))"
+    try:
+        r = S.run_code(prog, timeout=60.0, cache=False)
+    finally:
+        shutil.rmtree(lib)
+        shutil.rmtree(neighbour)
+    assert S.bwrap_available() and r.ok and r.stdout == "42 False\n", (r.stdout, r.stderr[-300:])
+
+
 def test_sandbox_caches_repeated_runs():
     S.clear_cache()
     before = dict(S.stats)
