@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import common as C
 import envs as E
 import grpo_mas as G
+import threads
 
 
 @dataclass
@@ -113,6 +114,7 @@ def step_record(cfg, step, roles, trained, mine, updates, opts, dlogp_hist, mast
         rec["rollouts"] = sum(r.rollouts for r in ranks) / world
         rec["trained_samples"] = sum(r.trained_samples for r in ranks)
     rec.update({f"t_{k}": v for k, v in mine.seconds.items()})  # rank 0's own clock
+    rec["load_per_core"] = round(threads.load_per_core(), 2)  # rank 0's machine: shared or not
     if C.DEVICE.type == "cuda":  # the allocator's peak per phase, the largest over ranks (GiB)
         for k in mine.mem:
             rec[k] = max(r.mem[k] for r in ranks)

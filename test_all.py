@@ -5112,6 +5112,29 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_cac
     assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
 
 
+def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, monkeypatch, capsys):
+    """threads.load_per_core is the kernel's 1-minute load average over its CPUs, as /proc gives them (read here
+    around it: the figure moves every 5 s). train.py notes a machine busy before the run (>= 1 per core) and keeps
+    the load in every step's metrics line, so a slow run says whether it shared the machine; a quiet one gets no
+    note."""
+    import train as T
+    cores = sum(line.startswith("processor") for line in open("/proc/cpuinfo"))
+
+    def proc():
+        return float(open("/proc/loadavg").read().split()[0]) / cores
+    before, ours, after = proc(), threads.load_per_core(), proc()
+    assert min(before, after) - 0.01 <= ours <= max(before, after) + 0.01, (before, ours, after)
+    args = SMOKE[:-6] + ["--engine", "scripted", "--warmup_steps", "0", "--out_dir", str(tmp_path / "r")]
+    note = "note: the machine is busy before this run (load 1.5 per core)"
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5 * cores, 0.0, 0.0))
+    T.main(args)
+    assert note in capsys.readouterr().out
+    assert [json.loads(line)["load_per_core"] for line in open(tmp_path / "r" / "metrics.jsonl")] == [1.5]
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.25 * cores, 0.0, 0.0))
+    T.print_config(T.configure(args))
+    assert "note: the machine is busy" not in capsys.readouterr().out
+
+
 @pytest.mark.slow(10)
 def test_entry_points_make_openmp_spin_briefly():
     """libgomp itself reports its spin count: 10,000 (threads.SPINCOUNT) in train.py, eval.py, bench.py and this
@@ -5593,9 +5616,7 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine, warm_cache
     T.main(args + ["--steps", "1", "--out_dir", str(tmp_path / "b")])
     T.main(args + ["--steps", "2", "--out_dir", str(tmp_path / "b"), "--resume", "true"])
 
-    def strip(path):
-        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
-    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    a, b = _results(tmp_path / "a" / "metrics.jsonl"), _results(tmp_path / "b" / "metrics.jsonl")
     assert len(a) == len(b) == 2 and a[0]["grad_norm_p0"] > 0 and a[0]["grad_norm_p1"] > 0
     for x, y in zip(a, b):
         for k in x:
@@ -5626,6 +5647,13 @@ def _run(args, timeout=600, env_extra=None, merge=False):
                        stderr=subprocess.STDOUT if merge else subprocess.PIPE)
     assert r.returncode == 0, r.stdout[-4000:] + (r.stderr or "")[-4000:]
     return r
+
+
+def _results(path):
+    """A metrics.jsonl's lines without what the clock and the machine give (time, t_*, load_per_core):
+    what a resumed run reproduces exactly."""
+    return [{k: v for k, v in json.loads(line).items()
+             if not k.startswith("t_") and k not in ("time", "load_per_core")} for line in open(path)]
 
 
 @contextlib.contextmanager
@@ -5992,9 +6020,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, monkeypatch, shared_bases
         T.main(args[2:] + ["--out_dir", str(tmp_path / "a")])
         T.main(args[2:] + ["--out_dir", str(tmp_path / "b"), "--resume", "true"])
 
-    def strip(path):
-        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"} for l in open(path)]
-    a, b = strip(tmp_path / "a" / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    a, b = _results(tmp_path / "a" / "metrics.jsonl"), _results(tmp_path / "b" / "metrics.jsonl")
     assert len(a) == len(b) == 5
     times = [json.loads(l)["time"] for l in open(tmp_path / "b" / "metrics.jsonl")]
     assert times == sorted(times) and times[3] > times[2] > 0  # training minutes go on across the resume
@@ -6245,10 +6271,7 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig, uninterrupted_
         T.main(cmd[2:])
     assert f"resuming from step {stopped}: checkpoint {tmp_path / 'b' / 'ckpt'}" in capsys.readouterr().out
 
-    def strip(path):
-        return [{k: v for k, v in json.loads(l).items() if not k.startswith("t_") and k != "time"}
-                for l in open(path)]
-    a, b = strip(uninterrupted_run / "metrics.jsonl"), strip(tmp_path / "b" / "metrics.jsonl")
+    a, b = _results(uninterrupted_run / "metrics.jsonl"), _results(tmp_path / "b" / "metrics.jsonl")
     assert [x["step"] for x in b] == [0, 1, 2, 3, 4, 5] and a == b
 
 
@@ -6675,7 +6698,8 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     last = max(i for i, l in enumerate(lines) if l.startswith("step "))
     noise = [l for l in lines[first:last] if not (l.startswith("step ") or l.startswith("eval step "))]
     assert not noise, noise[:5]
-    ours = ("config: ", "optimizer steps per training step: ", "sampling: ", "format warm-up ", "policy ", "eval step ")
+    ours = ("config: ", "optimizer steps per training step: ", "sampling: ", "format warm-up ", "policy ", "eval step ",
+            "note: the machine is busy ")
     start_noise = [l for l in lines[:first] if not l.startswith(ours)]
     assert not start_noise, start_noise[:5]
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]

@@ -20,3 +20,10 @@ if "torch" in sys.modules:  # too late to matter in this process; its children s
     print("threads.py: imported after torch: OpenMP's spin count is set for child processes only", file=sys.stderr)
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
+
+
+def load_per_core():
+    """The machine's 1-minute load average over its cores (the kernel's count, as the load is the whole
+    kernel's): about 1.0 with every core busy, this run's own threads included. Each step's metrics
+    line keeps it (`load_per_core`), so a slow run says whether it shared the machine."""
+    return os.getloadavg()[0] / os.cpu_count()

@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, fields, replace
 
-import threads  # noqa: F401  (before torch: OpenMP spins briefly, so a busy machine costs its share)
+import threads  # before torch: OpenMP spins briefly, so a busy machine costs its share
 import torch
 
 import common as C
@@ -674,6 +674,10 @@ def print_config(cfg):
     print(config.optimizer_steps_line(cfg), flush=True)
     print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in vars(s).items())
                                    for r, s in cfg["role_sampling"].items()), flush=True)
+    load = threads.load_per_core()
+    if load >= 1.0:  # others' work: slower steps, fewer in --time_limit_min
+        print(f"note: the machine is busy before this run (load {load:.1f} per core): steps "
+              "take longer than alone (docs/results.md, \"Sharing the machine\")")
     if tiny.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")

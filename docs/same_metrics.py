@@ -28,7 +28,7 @@ CONFIGS = {  # name: extra flags of `python train.py --steps N --stop_step N --t
     "torch": ["--engine", "torch"],  # the tiny presets' sampler since 2026-11-29 (before: vLLM)
     "vllm": ["--engine", "vllm"],  # the engine of the tiny default before 2026-11-29
 }
-TIMING = ("time", "eta")  # fields that are wall-clock; every t_* and mem_* field is one too
+TIMING = ("time", "eta", "load_per_core")  # fields of the clock or the machine; every t_* and mem_* field too
 
 
 def timing(key):
