@@ -5114,9 +5114,9 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_cac
 
 def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, monkeypatch, capsys):
     """threads.load_per_core is the kernel's 1-minute load average over its CPUs, as /proc gives them (read here
-    around it: the figure moves every 5 s). train.py notes a machine busy before the run (>= 1 per core) and keeps
-    the load in every step's metrics line, so a slow run says whether it shared the machine; a quiet one gets no
-    note."""
+    around it: the figure moves every 5 s). train.py notes a machine busy in the minute before the run (>= 1 per
+    core) and keeps the load in every step's metrics line, so a slow run says whether it shared the machine; a quiet
+    one gets no note."""
     import train as T
     cores = sum(line.startswith("processor") for line in open("/proc/cpuinfo"))
 
@@ -5125,14 +5125,14 @@ def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, mo
     before, ours, after = proc(), threads.load_per_core(), proc()
     assert min(before, after) - 0.01 <= ours <= max(before, after) + 0.01, (before, ours, after)
     args = SMOKE[:-6] + ["--engine", "scripted", "--warmup_steps", "0", "--out_dir", str(tmp_path / "r")]
-    note = "note: the machine is busy before this run (load 1.5 per core)"
+    note = "note: the machine has been busy (1-minute load 1.5 per core)"
     monkeypatch.setattr(os, "getloadavg", lambda: (1.5 * cores, 0.0, 0.0))
     T.main(args)
     assert note in capsys.readouterr().out
     assert [json.loads(line)["load_per_core"] for line in open(tmp_path / "r" / "metrics.jsonl")] == [1.5]
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25 * cores, 0.0, 0.0))
     T.print_config(T.configure(args))
-    assert "note: the machine is busy" not in capsys.readouterr().out
+    assert "note: the machine has been busy" not in capsys.readouterr().out
 
 
 @pytest.mark.slow(10)
@@ -6699,7 +6699,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     noise = [l for l in lines[first:last] if not (l.startswith("step ") or l.startswith("eval step "))]
     assert not noise, noise[:5]
     ours = ("config: ", "optimizer steps per training step: ", "sampling: ", "format warm-up ", "policy ", "eval step ",
-            "note: the machine is busy ")
+            "note: the machine has been busy ")
     start_noise = [l for l in lines[:first] if not l.startswith(ours)]
     assert not start_noise, start_noise[:5]
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
