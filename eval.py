@@ -78,6 +78,7 @@ def configure(argv):
     configs = [json.load(open(os.path.join(p, "config.json"))) for p in paths.values()]
     tiny = configs[0].get("vocab_size", 0) < 1000  # the embedded default's byte tokenizer
     config.apply_preset(cfg, given, T.PRESETS, tiny, T.FLAGS)
+    config.check_compiler_paths(cfg["engine"], compile_layers=False)
     longest = max(config.flag_values(cfg, "eval_max_new_tokens"))
     if "max_model_len" not in given:  # room for a whole prompt and a whole answer
         cfg["max_model_len"] = max(cfg["max_model_len"], cfg["max_prompt_tokens"] + longest)

