@@ -601,12 +601,20 @@ def _on_signal(signum, frame):
     if STOP.saving:  # finishing the write is what keeps a checkpoint whole; the loop stops after it
         return
     if first and STOP.graceful:
-        print(f"{name}: stopping after the step under way, with a checkpoint (a second signal "
-              "abandons the step)", flush=True)
+        _write_line(f"{name}: stopping after the step under way, with a checkpoint (a second signal "
+                    "abandons the step)", sys.stdout)
         return
     where = (f"abandoned the step after step {STOP.step}" if STOP.graceful
              else "stopped during setup (a tiny base's format warm-up resumes from its last save)")
-    _exit_line(f"{name}: {where}; " + resume_hint(), signum)
+    _write_line(f"{name}: {where}; " + resume_hint(), sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def _write_line(line, stream):
+    """A signal handler's line, straight to the stream's file descriptor: the handler may run inside
+    the main thread's own write to that stream, and print would re-enter its buffer (RuntimeError:
+    reentrant call inside BufferedWriter; a Ctrl-C during a step line, on Debian's Python 3.11.2)."""
+    os.write(stream.fileno(), (line + "\n").encode())
 
 
 def stop_requested_all(step):
@@ -624,13 +632,9 @@ def exit_if_stopped(master=True):
     if not STOP.stopped:
         return
     signum = STOP.signum or signal.SIGTERM  # another rank's signal
-    line = f"{signal.Signals(signum).name}: stopped after step {STOP.step}; " + resume_hint()
-    _exit_line(line if master else "", signum)
-
-
-def _exit_line(line, signum):
-    if line:
-        print(line, file=sys.stderr, flush=True)
+    if master:
+        print(f"{signal.Signals(signum).name}: stopped after step {STOP.step}; " + resume_hint(),
+              file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
