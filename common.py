@@ -614,7 +614,10 @@ def _write_line(line, stream):
     """A signal handler's line, straight to the stream's file descriptor: the handler may run inside
     the main thread's own write to that stream, and print would re-enter its buffer (RuntimeError:
     reentrant call inside BufferedWriter; a Ctrl-C during a step line, on Debian's Python 3.11.2)."""
-    os.write(stream.fileno(), (line + "\n").encode())
+    try:
+        os.write(stream.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # no descriptor (closed, a notebook): stop unsaid
+        pass
 
 
 def stop_requested_all(step):

