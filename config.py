@@ -522,20 +522,21 @@ def check_compiler_paths(engine, compile_layers):
     command and splits it at spaces (pytorch/pytorch#191010): a folder it names with a space fails
     the first compile, minutes in. Found in a clone under "my clone" (docs/tests.md)."""
     if torch.cuda.is_available() or not (engine == "vllm" or compile_layers):
-        return  # on a GPU inductor writes Triton kernels, not the C++ command; eager runs compile nothing
-    spec = importlib.util.find_spec("torch")
+        return  # a GPU's inductor writes Triton kernels, not this command; eager runs compile nothing
+    other_python = "use a Python installed without spaces"
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir()
     folders = [  # the folders on its command line: -I, -L, and its cache (TMPDIR's by default)
-        ("torch", os.path.dirname(spec.origin), "run ./setup.sh in a project folder without spaces"),
-        ("Python's headers", sysconfig.get_paths()["include"], "use a Python installed without spaces"),
-        ("Python's libraries", sysconfig.get_config_var("LIBDIR") or "", "use a Python installed without spaces"),
-        ("torch.compile's cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir(),
+        ("torch", os.path.dirname(torch.__file__), "run ./setup.sh in a folder without spaces"),
+        ("Python's headers", sysconfig.get_paths()["include"], other_python),
+        ("Python's libraries", sysconfig.get_config_var("LIBDIR") or "", other_python),
+        ("torch.compile's cache", cache,
          "set TORCHINDUCTOR_CACHE_DIR (or TMPDIR) to a folder without spaces"),
     ]
     for what, folder, fix in folders:
         if any(c.isspace() for c in folder):
-            raise SystemExit(f"{what} folder {folder!r} has a space, and torch.compile's C++ builder splits "
-                             f"its command at spaces (pytorch/pytorch#191010): {fix}, or use --engine torch "
-                             "without --compile")
+            raise SystemExit(f"{what} folder {folder!r} has a space, and torch.compile's C++ "
+                             f"builder splits its command at spaces (pytorch/pytorch#191010): "
+                             f"{fix}, or use --engine torch without --compile")
 
 
 def check_task(cfg, given):
