@@ -10,6 +10,7 @@ one).
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
     python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
     python bench.py share      # a busy machine: warm-up and default steps alone and beside busy processes
+    python bench.py quota      # a container's CPU quota: a thread per visible core vs the cores it allows (root)
     python bench.py step       # where the CPU default's step goes, vLLM vs the torch sampler, against matmul peak
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 
-import threads  # noqa: F401  (before torch: OpenMP spins briefly)
+import threads  # before torch: OpenMP spins briefly
 import torch
 
 import model as M
@@ -523,10 +524,11 @@ SHARE_SETTINGS = {  # name: (environment, torch threads). libgomp spins GOMP_SPI
 BUSY = "while True: pass"  # one busy process: a neighbour that computes and never waits
 
 
-def run_child(args, prefix, env=None):
-    """This script in a fresh process (`python bench.py ARGS`): the JSON of its one line that starts with
-    `prefix`, or a stop naming the child and its stderr."""
-    r = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=3600)
+def run_child(args, prefix, env=None, cgroup=None):
+    """This script in a fresh process (`python bench.py ARGS`; in `cgroup`, if given): the JSON of its one line
+    that starts with `prefix`, or a stop naming the child and its stderr."""
+    r = subprocess.run(in_cgroup(cgroup, [sys.executable, __file__, *args]), env=env, capture_output=True, text=True,
+                       timeout=3600)
     line = [x for x in r.stdout.splitlines() if x.startswith(prefix)]
     if not line:
         raise SystemExit(f"bench.py {' '.join(args)} failed: {r.stderr[-2000:]}")
@@ -681,8 +683,62 @@ def bench_share(plan=SHARE_PLAN):
                       f"{os.cpu_count()} cores, medians", "rows": rows}))
 
 
+def cpu_cgroup(name, cores):
+    """A cgroup of the CPU controller allowing `cores` cores' time (period 100 ms), made here: cgroup v1's
+    cpu.cfs_quota_us, else v2's cpu.max (as docker --cpus sets them). OSError where this user cannot (not root, no
+    writable /sys/fs/cgroup); the caller removes it (os.rmdir) once its processes have ended."""
+    v1 = "/sys/fs/cgroup/cpu"
+    quota = int(cores * 100000)
+    if os.path.exists(f"{v1}/cpu.cfs_quota_us"):
+        path, file, text = f"{v1}/{name}", "cpu.cfs_quota_us", str(quota)
+    else:
+        path, file, text = f"/sys/fs/cgroup/{name}", "cpu.max", f"{quota} 100000"
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, file), "w") as f:
+        f.write(text)
+    return path
+
+
+def in_cgroup(cgroup, argv):
+    """`argv` as a command that first moves itself into `cgroup` (none: as it is)."""
+    if cgroup is None:
+        return argv
+    return ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" "$@"', *argv]
+
+
+QUOTAS = (1.0, 1.2, 1.5)  # cores' time a container on this 2-core machine may use
+
+
+def bench_quota(quotas=QUOTAS):
+    """A container's CPU quota (docker --cpus, a Kubernetes limit): the warm-up step and the default's step in a
+    cgroup allowing q cores' time, on a thread per visible core (torch's own count: before) and on
+    threads.usable_cores() there (after). Medians; after over before."""
+    import train as T
+    cfg = T.configure([])
+    tiny.build_base(tiny.base_path(cfg), cfg)  # alone, once (cached)
+    rows = []
+    for q in quotas:
+        cgroup = cpu_cgroup(f"bench-quota-{os.getpid()}", q)
+        try:
+            ask = [sys.executable, "-c", "import threads; print(threads.usable_cores())"]
+            usable = int(subprocess.run(in_cgroup(cgroup, ask), capture_output=True, text=True, check=True).stdout)
+            for kind, (_, repeats) in SHARE_PLAN.items():
+                row = {"quota": q, "kind": kind}
+                for setting, n in (("before", threads.visible_cores()), ("after", usable)):
+                    parts = run_child(["share_child", kind, str(n), str(repeats)], "SHARE ", cgroup=cgroup)
+                    row[setting] = {"threads": n, **parts}
+                key = "warmup_step" if kind == "warmup" else "step"
+                row["after_over_before"] = row["after"][key] / row["before"][key]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            os.rmdir(cgroup)
+    print(json.dumps({"bench": f"a CPU quota: warm-up and default steps in a cgroup, {threads.visible_cores()} "
+                      "visible cores, medians", "rows": rows}))
+
+
 if __name__ == "__main__":
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads.usable_cores())
     which = sys.argv[1] if len(sys.argv) > 1 else "model"
     if which == "env_one":
         bench_env_one(sys.argv[2])
@@ -694,8 +750,8 @@ if __name__ == "__main__":
         bench_gpu(sys.argv[2])
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
-                   "train": bench_train, "refill": bench_refill, "share": bench_share, "step": bench_step,
-                   "gpu": bench_gpu}
+                   "train": bench_train, "refill": bench_refill, "share": bench_share, "quota": bench_quota,
+                   "step": bench_step, "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

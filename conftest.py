@@ -8,9 +8,10 @@ those of the runs it starts): N workers at a thread per core each ran N threads 
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # (before any test module imports torch)
-    cores = len(os.sched_getaffinity(0))
+    given = os.environ.get("OMP_NUM_THREADS")  # a value you set wins
+    import threads  # the cores this process may use: fewer than it sees where a CPU quota binds
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))  # a value you set wins
+    os.environ["OMP_NUM_THREADS"] = given or str(max(1, threads.usable_cores() // workers))
 
 
 def pytest_collection_modifyitems(items):

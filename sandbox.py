@@ -41,6 +41,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import threads
+
 
 @dataclass
 class RunResult:
@@ -52,7 +54,7 @@ class RunResult:
     seconds: float
 
 
-WORKERS = int(os.environ.get("SANDBOX_WORKERS", max(4, os.cpu_count() or 1)))  # programs running at once
+WORKERS = int(os.environ.get("SANDBOX_WORKERS", max(4, threads.usable_cores())))  # programs running at once
 _SLOTS = threading.BoundedSemaphore(WORKERS)
 _WAITERS = ThreadPoolExecutor(max_workers=64)  # threads that only wait on a slot and a child process
 CACHE_SIZE = 4096
@@ -298,7 +300,7 @@ stats = {"runs": 0, "cached": 0, "timeouts": 0}  # programs run, results reused,
 
 def per_rank(local_world, cores=None):
     """Programs at once for one of `local_world` ranks sharing this node's cores (at least 2)."""
-    return max(2, (cores or os.cpu_count() or 1) // local_world)
+    return max(2, (cores or threads.usable_cores()) // local_world)
 
 
 def set_workers(n):

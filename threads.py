@@ -10,14 +10,20 @@ Sleeping at once (OMP_WAIT_POLICY=PASSIVE) is the fastest under load but pays a 
 step 1.3-1.9x slower). 10,000 spins keep a step alone within ~5% and take most of the loss under load away
 (bench.py share; docs/results.md, "Sharing the machine"). It changes no result: the same work in the same order.
 A value you set yourself (GOMP_SPINCOUNT or OMP_WAIT_POLICY) wins.
+
+A container's CPU quota (docker --cpus, a Kubernetes CPU limit) throttles time but hides no core: torch would
+start a thread per visible core, and those threads wait on each other while the kernel stops the group (in one
+core's quota a default step took 6.4 s on 2 threads, 4.3 s on one: bench.py quota). Where a quota binds,
+OMP_NUM_THREADS is set to it before torch loads (as uber-go/automaxprocs sets Go's threads); a value you set wins.
 """
+import math
 import os
 import sys
 
 SPINCOUNT = "10000"
 
 if "torch" in sys.modules:  # too late to matter in this process; its children still inherit the setting
-    print("threads.py: imported after torch: OpenMP's spin count is set for child processes only", file=sys.stderr)
+    print("threads.py: imported after torch: OpenMP's settings are for child processes only", file=sys.stderr)
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
 
@@ -27,3 +33,61 @@ def load_per_core():
     kernel's): about 1.0 with every core busy, this run's own threads included. Each step's metrics
     line keeps it (`load_per_core`), so a slow run says whether it shared the machine."""
     return os.getloadavg()[0] / os.cpu_count()
+
+
+def cpu_quota(root="/"):
+    """The CPU time this process's cgroups allow, in cores, or None where none is set: the smallest limit over
+    its cgroup and those above it (a parent's limit binds its children), from cgroup v2's `cpu.max` ("$MAX
+    $PERIOD", "max" for none) or v1's `cpu.cfs_quota_us` (-1 for none) over `cpu.cfs_period_us`. A container
+    without its own cgroup namespace lists the host's path but mounts its own cgroup at the top: walking up
+    reaches it. `root` stands in for "/" (the tests)."""
+    try:
+        lines = open(os.path.join(root, "proc/self/cgroup")).read().splitlines()
+    except OSError:  # not Linux
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        top = os.path.join(root, "sys/fs/cgroup" if v2 else "sys/fs/cgroup/cpu")
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # this cgroup, then each one above it
+            limit = _limit(os.path.join(top, *parts[:depth]), v2)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _limit(folder, v2):
+    """One cgroup's CPU limit in cores, or None (none set, or no such file)."""
+    try:
+        if v2:
+            quota, period = open(os.path.join(folder, "cpu.max")).read().split()
+        else:
+            quota = open(os.path.join(folder, "cpu.cfs_quota_us")).read().strip()
+            period = open(os.path.join(folder, "cpu.cfs_period_us")).read().strip()
+    except OSError:
+        return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
+
+
+def usable_cores():
+    """The cores this process may use: those it may run on, fewer where a CPU quota allows less (rounded to the
+    nearest core, at least one: in 1.2 cores' quota one thread was faster, in 1.5 two)."""
+    quota = cpu_quota()
+    if quota is None:
+        return visible_cores()
+    return max(1, min(visible_cores(), math.floor(quota + 0.5)))
+
+
+def visible_cores():
+    """The cores this process may run on (its affinity; all of them where the OS has no such call)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+if "OMP_NUM_THREADS" not in os.environ and usable_cores() < visible_cores():  # a quota binds
+    os.environ["OMP_NUM_THREADS"] = str(usable_cores())

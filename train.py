@@ -674,6 +674,10 @@ def print_config(cfg):
     print(config.optimizer_steps_line(cfg), flush=True)
     print("sampling: " + "; ".join(f"{r} " + ", ".join(f"{k} {v}" for k, v in vars(s).items())
                                    for r, s in cfg["role_sampling"].items()), flush=True)
+    quota = threads.cpu_quota()
+    if quota is not None and quota < threads.visible_cores():  # docker --cpus, a Kubernetes CPU limit
+        print(f"note: a CPU quota lets this run use {quota:g} of the {threads.visible_cores()} cores it "
+              f"sees: torch's threads {torch.get_num_threads()} (threads.py)", flush=True)
     load = threads.load_per_core()
     if load >= 1.0:  # others' work: slower steps, fewer in --time_limit_min
         print(f"note: the machine has been busy (1-minute load {load:.1f} per core): steps take "
