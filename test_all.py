@@ -5174,13 +5174,15 @@ def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypa
 
 
 @pytest.mark.slow(12)
-def test_a_cpu_quota_sets_the_threads_a_run_uses():
+def test_a_cpu_quota_sets_the_threads_a_run_uses(tmp_path):
     """A container's CPU quota (docker --cpus, a Kubernetes CPU limit) throttles time but hides no core, so torch
     started a thread per visible core, and the sandbox as many programs, which then wait on each other while the
     kernel stops the group (peers measured 4x and 45x on machines of many cores: llmman #322, ollama #17916; here
     a default step 6.4 s on 2 threads, 4.3 s on one, in one core's quota: bench.py quota). The reference is the
     kernel: in a cgroup made here with a quota of one core, two busy processes get one core's time between them.
-    There an entry point's torch runs one thread, a value you set (OMP_NUM_THREADS) wins, and train.py says so."""
+    There an entry point's torch runs one thread, also with libgomp preloaded before Python (vLLM's CPU advice; it
+    read the environment before threads.py set it), a value you set (OMP_NUM_THREADS) wins, and train.py says so.
+    threads.torch_threads, which a quota must undercut to change anything, is torch's own count."""
     visible = len(os.sched_getaffinity(0))
     if visible < 2:
         pytest.skip("one core: a quota of one core takes nothing away")
@@ -5189,7 +5191,17 @@ def test_a_cpu_quota_sets_the_threads_a_run_uses():
         cgroup = bench.cpu_cgroup(f"at-grpo-test-{os.getpid()}", 1.0)
     except OSError as e:
         pytest.skip(f"needs a CPU cgroup this user can make (root, a writable /sys/fs/cgroup): {e}")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
+    torch_dir = os.path.dirname(torch.__file__)
+    gomp = (glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
+            + glob.glob(os.path.join(torch_dir + ".libs", "libgomp*.so*")))[0]
+    (tmp_path / "libgomp.so.1").symlink_to(gomp)  # (ld.so splits LD_PRELOAD at spaces)
+    count = "import json, threads, torch; print(json.dumps([threads.torch_threads(), torch.get_num_threads()]))"
+    for cpus in (None, {min(os.sched_getaffinity(0))}):  # torch's own count: all the CPUs, then one
+        r = subprocess.run([PY, "-c", count], env=env, capture_output=True, text=True, timeout=120,
+                           preexec_fn=cpus and (lambda c=cpus: os.sched_setaffinity(0, c)))
+        ours, torchs = json.loads(r.stdout)
+        assert ours == torchs, (cpus, r.stdout, r.stderr)
 
     def inside(code, **extra):
         r = subprocess.run(bench.in_cgroup(cgroup, [PY, "-c", code]), cwd=HERE, env={**env, **extra},
@@ -5205,8 +5217,9 @@ def test_a_cpu_quota_sets_the_threads_a_run_uses():
                 "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
                 "print(json.dumps((u.ru_utime + u.ru_stime) / (time.time() - t)))")
         assert float(inside(busy)) <= 1.15  # the kernel holds two busy processes to one core's time
-        ran = "import json, threads, torch; print(json.dumps([threads.usable_cores(), torch.get_num_threads()]))"
+        ran = "import json, threads, torch, train; print(json.dumps([threads.usable_cores(), torch.get_num_threads()]))"
         assert json.loads(inside(ran)) == [1, 1]
+        assert json.loads(inside(ran, LD_PRELOAD=str(tmp_path / "libgomp.so.1"))) == [1, 1]
         assert json.loads(inside(ran, OMP_NUM_THREADS="2")) == [1, 2]
         note = f"note: a CPU quota lets this run use 1 of the {visible} cores it sees: torch's threads 1"
         assert note in inside("import train as T; T.print_config(T.configure([]))")  # a run says so at its start

@@ -85,9 +85,31 @@ def usable_cores():
 
 
 def visible_cores():
-    """The cores this process may run on (its affinity; all of them where the OS has no such call)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPUs this process may run on (its affinity; all of them where the OS has no such call)."""
+    return len(_cpus())
 
 
-if "OMP_NUM_THREADS" not in os.environ and usable_cores() < visible_cores():  # a quota binds
-    os.environ["OMP_NUM_THREADS"] = str(usable_cores())
+def torch_threads():
+    """torch's own thread count where nothing is set: a thread per physical core among the CPUs this process
+    may run on (SMT siblings count once: c10's thread_pool.cpp, defaultNumThreads)."""
+    cores = set()
+    for cpu in _cpus():
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            cores.add((open(topology + "physical_package_id").read(), open(topology + "core_id").read()))
+        except OSError:  # no sysfs: count the CPUs
+            return len(_cpus())
+    return len(cores)
+
+
+def _cpus():
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+
+
+# the threads set here for a CPU quota (0: none). The entry points also hand it to torch once it has loaded: a
+# libgomp loaded before Python (LD_PRELOAD, as vLLM's CPU docs advise and vLLM sets for its children) has read the
+# environment before this line
+QUOTA_THREADS = 0
+if "OMP_NUM_THREADS" not in os.environ and usable_cores() < torch_threads():  # a quota binds: never more threads
+    QUOTA_THREADS = usable_cores()
+    os.environ["OMP_NUM_THREADS"] = str(QUOTA_THREADS)

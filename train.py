@@ -54,6 +54,9 @@ from grpo_mas import ppo_loss
 from model import CHECKPOINT_MODES, load_tokenizer
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
+if threads.QUOTA_THREADS:  # a CPU quota's threads, also where a libgomp preloaded before Python read no quota
+    torch.set_num_threads(threads.QUOTA_THREADS)
+
 # -----------------------------------------------------------------------------
 # The flags, grouped as --help prints them. Their values are the paper's recipe
 # (docs/paper_preset.md); PRESETS below overrides them by name.
