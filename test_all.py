@@ -5217,7 +5217,8 @@ def test_a_cpu_quota_sets_the_threads_a_run_uses(tmp_path):
                 "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
                 "print(json.dumps((u.ru_utime + u.ru_stime) / (time.time() - t)))")
         assert float(inside(busy)) <= 1.15  # the kernel holds two busy processes to one core's time
-        ran = "import json, threads, torch, train; print(json.dumps([threads.usable_cores(), torch.get_num_threads()]))"
+        ran = ("import json, threads, torch, train\n"
+               "print(json.dumps([threads.usable_cores(), torch.get_num_threads()]))")
         assert json.loads(inside(ran)) == [1, 1]
         assert json.loads(inside(ran, LD_PRELOAD=str(tmp_path / "libgomp.so.1"))) == [1, 1]
         assert json.loads(inside(ran, OMP_NUM_THREADS="2")) == [1, 2]

@@ -110,6 +110,6 @@ def _cpus():
 # libgomp loaded before Python (LD_PRELOAD, as vLLM's CPU docs advise and vLLM sets for its children) has read the
 # environment before this line
 QUOTA_THREADS = 0
-if "OMP_NUM_THREADS" not in os.environ and usable_cores() < torch_threads():  # a quota binds: never more threads
+if "OMP_NUM_THREADS" not in os.environ and usable_cores() < torch_threads():  # never more than torch's own
     QUOTA_THREADS = usable_cores()
     os.environ["OMP_NUM_THREADS"] = str(QUOTA_THREADS)

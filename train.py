@@ -54,7 +54,7 @@ from grpo_mas import ppo_loss
 from model import CHECKPOINT_MODES, load_tokenizer
 from rollout import Agents, evaluate, plain_rollout, tree_rollout
 
-if threads.QUOTA_THREADS:  # a CPU quota's threads, also where a libgomp preloaded before Python read no quota
+if threads.QUOTA_THREADS:  # a CPU quota's threads (a libgomp preloaded read no quota)
     torch.set_num_threads(threads.QUOTA_THREADS)
 
 # -----------------------------------------------------------------------------
