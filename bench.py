@@ -10,7 +10,7 @@ one).
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
     python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
     python bench.py share      # a busy machine: warm-up and default steps alone and beside busy processes
-    python bench.py quota      # a container's CPU quota: a thread per visible core vs the cores it allows (root)
+    python bench.py quota      # a container's CPU quota: torch's own threads vs the cores it allows (root)
     python bench.py step       # where the CPU default's step goes, vLLM vs the torch sampler, against matmul peak
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
@@ -694,8 +694,12 @@ def cpu_cgroup(name, cores):
     else:
         path, file, text = f"/sys/fs/cgroup/{name}", "cpu.max", f"{quota} 100000"
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, file), "w") as f:
-        f.write(text)
+    try:  # (v2: only where the parent's cgroup.subtree_control has +cpu)
+        with open(os.path.join(path, file), "w") as f:
+            f.write(text)
+    except OSError:
+        os.rmdir(path)
+        raise
     return path
 
 
@@ -711,7 +715,7 @@ QUOTAS = (1.0, 1.2, 1.5)  # cores' time a container on this 2-core machine may u
 
 def bench_quota(quotas=QUOTAS):
     """A container's CPU quota (docker --cpus, a Kubernetes limit): the warm-up step and the default's step in a
-    cgroup allowing q cores' time, on a thread per visible core (torch's own count: before) and on
+    cgroup allowing q cores' time, on a thread per physical core (torch's own count: before) and on
     threads.usable_cores() there (after). Medians; after over before."""
     import train as T
     cfg = T.configure([])
@@ -721,10 +725,11 @@ def bench_quota(quotas=QUOTAS):
         cgroup = cpu_cgroup(f"bench-quota-{os.getpid()}", q)
         try:
             ask = [sys.executable, "-c", "import threads; print(threads.usable_cores())"]
-            usable = int(subprocess.run(in_cgroup(cgroup, ask), capture_output=True, text=True, check=True).stdout)
+            usable = int(subprocess.run(in_cgroup(cgroup, ask), cwd=os.path.dirname(os.path.abspath(__file__)),
+                                        capture_output=True, text=True, check=True).stdout)
             for kind, (_, repeats) in SHARE_PLAN.items():
                 row = {"quota": q, "kind": kind}
-                for setting, n in (("before", threads.visible_cores()), ("after", usable)):
+                for setting, n in (("before", threads.torch_threads()), ("after", usable)):
                     parts = run_child(["share_child", kind, str(n), str(repeats)], "SHARE ", cgroup=cgroup)
                     row[setting] = {"threads": n, **parts}
                 key = "warmup_step" if kind == "warmup" else "step"

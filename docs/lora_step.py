@@ -21,6 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
+import threads  # noqa: E402, F401  (before torch: OpenMP's settings)
 import torch  # noqa: E402
 
 import model as M  # noqa: E402

@@ -15,9 +15,9 @@ import random
 import shutil
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import threads  # noqa: E402, F401  (before torch: OpenMP's settings)
+import torch  # noqa: E402
 import envs as E  # noqa: E402
 import model as M  # noqa: E402
 import tiny as T  # noqa: E402
