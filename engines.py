@@ -82,9 +82,10 @@ def vllm_cache_root():
     if "VLLM_CACHE_ROOT" in os.environ:
         return None
     home = os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    default = os.path.join(home, "vllm")
     try:
-        os.makedirs(os.path.join(home, "vllm"), exist_ok=True)
-        if os.access(os.path.join(home, "vllm"), os.W_OK):
+        os.makedirs(default, exist_ok=True)
+        if os.access(default, os.W_OK):
             return None
     except OSError:
         pass
@@ -93,7 +94,7 @@ def vllm_cache_root():
     if os.stat(root).st_uid != os.getuid():  # another user's, made first: a fresh one of ours
         root = tempfile.mkdtemp(prefix="vllm_cache_")
     os.environ["VLLM_CACHE_ROOT"] = root
-    print(f"note: vLLM's cache goes to {root} ({home}/vllm cannot be made; "
+    print(f"note: vLLM's cache goes to {root} ({default} cannot be made; "
           "set VLLM_CACHE_ROOT to choose)", flush=True)
     return root
 

@@ -397,7 +397,6 @@ def test_vllm_cache_goes_where_it_can_be_made(tmp_path, monkeypatch):
     """The branches of engines.vllm_cache_root (vLLM itself writing there: the default-run test's eval.py, run
     with a home that cannot be written): a home that can be written, or VLLM_CACHE_ROOT given, is left to vLLM;
     otherwise this user's folder under the temp folder, or a fresh one where another user made that first."""
-    import tempfile
     from engines import vllm_cache_root
     for k in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME"):
         monkeypatch.delenv(k, raising=False)
