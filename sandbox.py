@@ -13,9 +13,9 @@ Three layers, outermost first:
    expected outputs, checkpoints, runs), no home directory and none of the trainer's environment variables is
    visible; the network is the sandbox's own loopback; when the run ends, every process it started dies with its pid
    namespace, however it was spawned.
-2. OS limits, set by the child itself before the program: address space, CPU seconds, output size (stdout/stderr are
-   files), no core dumps; a wall-clock timeout kills the whole process group, and (without bubblewrap's pid
-   namespace) a sweep kills anything still carrying the run's marker.
+2. OS limits, set by the child itself before the program: address space, CPU seconds, the size of files it writes
+   (stdout and stderr are pipes, kept in part: `_Kept`), no core dumps; a wall-clock timeout kills the whole process
+   group, and (without bubblewrap's pid namespace) a sweep kills anything still carrying the run's marker.
 3. A Python audit hook (`_GUARD`): refuses writes outside the work directory, spawning processes, signals to others,
    sockets and dangerous libc symbols. Not a boundary on its own (C code bypasses it); it keeps ordinary misbehaviour
    cheap, and it is the only layer besides (2) where namespaces are unavailable: then the sandbox says so once.
