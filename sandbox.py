@@ -231,7 +231,9 @@ class _Kept:
 # machine: under Debian's Python 3.11.2, 16 programs printing 2 MB beside 4 busy processes waited up to 8 s on their
 # own parent (0.1 s alone) and were judged timed out; with one thread, 0.3-0.8 s (docs/tests.md).
 
-PIPE_BYTES = 1 << 20  # each output pipe's buffer (Linux's cap for a user): up to 1 MiB a program never waits on us
+PIPE_BYTES = 1 << 18  # an output pipe's buffer (4x Linux's default): fewer turns of the pump per program
+BIG_PIPES = 24  # at most so many at once (6 MiB; 48 for 8 ranks): a user's pipes share 64 MiB
+                # (fs.pipe-user-pages-soft), past which every new pipe of theirs, the trainer's too, gets 8 KiB
 
 
 @dataclass
@@ -242,6 +244,7 @@ class _Job:
     kept: dict         # output fd -> _Kept
     done: Future       # its result: timed_out, once it has exited and its output is read
     pidfd: int         # readable once it has exited; -1 where the kernel has no pidfd (then polled)
+    big_pipes: int = 0
     exited: bool = False
     timed_out: bool = False
 
@@ -252,6 +255,7 @@ class _Pump:
         self.wake_r, self.wake_w = os.pipe()  # a byte here: new jobs to take
         self.sel.register(self.wake_r, selectors.EVENT_READ, None)
         self.lock, self.incoming, self.jobs = threading.Lock(), [], []
+        self.big_pipes = 0  # output pipes now at PIPE_BYTES
         threading.Thread(target=self._loop, name="sandbox-pump", daemon=True).start()
 
     def run(self, proc, stdin, timeout, out_bytes):
@@ -259,10 +263,6 @@ class _Pump:
         kept = {f.fileno(): _Kept(out_bytes) for f in (proc.stdout, proc.stderr)}
         for fd in kept:
             os.set_blocking(fd, False)
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:  # over this user's pipe budget: the default 64 KiB
-                pass
         try:
             pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
@@ -279,6 +279,11 @@ class _Pump:
         self.jobs.append(job)
         for fd in job.kept:
             self.sel.register(fd, selectors.EVENT_READ, (job, "out"))
+            if self.big_pipes < BIG_PIPES:
+                with contextlib.suppress(OSError):  # refused: the default 64 KiB
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+                    job.big_pipes += 1
+                    self.big_pipes += 1
         if job.pidfd >= 0:
             self.sel.register(job.pidfd, selectors.EVENT_READ, (job, "exit"))
         if len(job.stdin):
@@ -325,6 +330,7 @@ class _Pump:
             self.sel.unregister(job.pidfd)
             os.close(job.pidfd)
         self.jobs.remove(job)
+        self.big_pipes -= job.big_pipes
         job.done.set_result(job.timed_out)
 
     def _loop(self):
@@ -338,6 +344,7 @@ class _Pump:
                     if not job.done.done():
                         job.done.set_exception(e)
                 self.jobs.clear()
+                self.big_pipes = 0
                 self.sel.close()
                 self.sel = selectors.DefaultSelector()
                 self.sel.register(self.wake_r, selectors.EVENT_READ, None)

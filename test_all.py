@@ -2535,8 +2535,9 @@ def test_sandbox_moves_every_programs_bytes_in_one_thread():
     """Sixteen programs at once, each reading 3 MB of stdin and printing it back (stdin and stdout both larger than a
     pipe, so feeding and draining must interleave), then printing 2 MB to stderr and sleeping: their output is what
     plain `subprocess.run` gets from the same program, and while they sleep the parent holds one thread for all their
-    bytes. Three threads a program (the old feeder, drainers and waiter) fought for the GIL on a busy machine: with
-    Debian's Python 3.11.2, programs printing 2 MB waited seconds on their parent and were judged timed out."""
+    bytes (and at most BIG_PIPES of their pipes enlarged). Three threads a program (the old feeder, drainers and
+    waiter) fought for the GIL on a busy machine: with Debian's Python 3.11.2, programs printing 2 MB waited seconds on
+    their parent and were judged timed out."""
     import threading
     prog = ("import sys, time\nsys.stdout.write(sys.stdin.read()[::-1])\nsys.stdout.flush()\n"
             "sys.stderr.write('e' * 2_000_000)\nsys.stderr.flush()\ntime.sleep(3)\n")
@@ -2549,9 +2550,11 @@ def test_sandbox_moves_every_programs_bytes_in_one_thread():
     def others():  # the parent's threads but the pool's waiters (which only block on a result)
         return sum(not t.name.startswith("ThreadPoolExecutor") for t in threading.enumerate())
 
-    def count():  # every 0.1 s while the programs run
+    def count():  # every 0.1 s while the programs run, and the output pipes it has enlarged
         while not done.wait(0.1):
             counts.append(others())
+            big.append(S._pump().big_pipes)
+    big = []
     before = others()
     threading.Thread(target=count, daemon=True).start()
     try:
@@ -2565,6 +2568,7 @@ def test_sandbox_moves_every_programs_bytes_in_one_thread():
     assert all(r.stdout.startswith(x[::-1][:1000]) for r, x in zip(res, stdins))
     assert res[0].stderr == direct.stderr[-4000:]
     assert max(counts) - before <= 2, (before, counts)  # the pump, and this test's counter
+    assert 0 < max(big) <= S.BIG_PIPES < 32 and S._pump().big_pipes == 0  # 32 pipes; a user's pipes share 64 MiB
 
 
 # -----------------------------------------------------------------------------
