@@ -13,6 +13,8 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 STAMP=.venv/.setup-done-v8
 if [ -f "$STAMP" ]; then exit 0; fi
+"$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))" || {  # the sandbox uses Popen(process_group=)
+  echo "setup.sh: needs Python 3.11 or newer; name one with PYTHON=/path/to/python3.11 ./setup.sh" >&2; exit 1; }
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
