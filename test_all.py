@@ -2481,7 +2481,7 @@ def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
     assert r.ok and r.stdout.split() == [str(sid), mine], (r.stdout, r.stderr[-300:])
     tty_prog = ("import os\ntry:\n    os.open('/dev/tty', os.O_RDONLY)\n    print('tty')\n"
                 "except OSError:\n    print('none')\n")
-    script = (f"import os, sys\nsys.path.insert(0, {os.getcwd()!r})\nos.setsid()\n"
+    script = (f"import os, sys\nsys.path.insert(0, {HERE!r})\nos.setsid()\n"
               "os.close(os.open(os.ttyname(0), os.O_RDWR))  # a session leader's first terminal becomes its own\n"
               "os.close(os.open('/dev/tty', os.O_RDONLY))  # it has one now\n"
               f"import sandbox\nr = sandbox.run_code({tty_prog!r}, timeout=60.0)\nprint('RESULT', r.stdout.strip())\n")
@@ -2489,7 +2489,8 @@ def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
     try:
         out = subprocess.run([sys.executable, "-c", script], stdin=slave, capture_output=True, text=True, timeout=120)
     finally:
-        os.close(master), os.close(slave)
+        os.close(master)
+        os.close(slave)
     assert "RESULT none" in out.stdout, (out.stdout[-300:], out.stderr[-600:])
 
 
