@@ -78,14 +78,33 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (_out, _out))  # files it writes (stdo
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 if os.getuid() != 0:
     resource.setrlimit(resource.RLIMIT_NPROC, (256, 256))
-try:  # off the trainer's terminal (it shares its session): no keystrokes pushed into the user's shell (TIOCSTI)
-    import fcntl, termios
-    _tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-    fcntl.ioctl(_tty, termios.TIOCNOTTY)
-    os.close(_tty)
-except OSError:
-    pass  # it has none
 '''
+
+# What starts a run where the trainer has a terminal: it leaves the terminal, then execs bubblewrap (or the program).
+# A run shares the trainer's session (not one of its own: Linux's autogroup weighs each session alike, docs/tests.md),
+# so without this bubblewrap's init, which the program can ptrace, could push keystrokes into the user's shell
+# (TIOCSTI, CVE-2017-5226). A terminal it cannot leave stops the run.
+_OFF_TTY = r"""
+import os, sys, fcntl, termios
+try:
+    tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+except OSError:
+    pass  # none any more
+else:
+    fcntl.ioctl(tty, termios.TIOCNOTTY)
+    os.close(tty)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def _has_tty():
+    """Whether this process has a controlling terminal."""
+    try:
+        os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
+        return True
+    except OSError:
+        return False
+
 
 _GUARD = r"""
 import os, sys
@@ -436,6 +455,8 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
             exe, libs = _python()
             env.update(HOME=work, TMPDIR=work, SANDBOX_SITE=":".join(libs))
             argv, popen_env = [exe, "-I", "-S", "_guard.py"], env
+        if _has_tty():
+            argv = [exe, "-I", "-S", "-c", _OFF_TTY, *argv]
         p = subprocess.Popen(argv, cwd=work, env=popen_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, process_group=0)  # own group: killed whole on timeout
         out, err, timed_out = _pump().run(p, stdin.encode("utf-8", errors="replace"), timeout, out_bytes)

@@ -2482,21 +2482,34 @@ def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
     mine = scope["group"]()
     sid = 0 if S.bwrap_available() else os.getsid(0)  # in its pid namespace a leader outside it reads as 0
     assert r.ok and r.stdout.split() == [str(sid), mine], (r.stdout, r.stderr[-300:])
-    tty_prog = ("import os\ntry:\n    os.open('/dev/tty', os.O_RDONLY)\n    print('tty')\n"
-                "except OSError:\n    print('none')\n")
+    tty_prog = ("import os, json\ntry:\n    os.open('/dev/tty', os.O_RDONLY)\n    mine = 'tty'\n"
+                "except OSError:\n    mine = 'none'\n"  # nor may any process it sees (one it could ptrace) have one
+                "ttys = {open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[4]\n"
+                "        for p in filter(str.isdigit, os.listdir('/proc'))}\n"
+                "print(json.dumps([mine, sorted(ttys)]))\n")
     script = (f"import os, sys\nsys.path.insert(0, {HERE!r})\nos.setsid()\n"
               "try:  # a session leader's first terminal becomes its own (a host may refuse: then none to reach)\n"
               "    os.close(os.open(os.ttyname(0), os.O_RDWR))\n"
               "    os.close(os.open('/dev/tty', os.O_RDONLY))\n    print('HAS TTY')\n"
               "except OSError as e:\n    print('NO TTY', e)\n"
-              f"import sandbox\nr = sandbox.run_code({tty_prog!r}, timeout=60.0)\nprint('RESULT', r.stdout.strip())\n")
-    master, slave = os.openpty()
+              "import sandbox\nfor bwrap in (None, False):  # bubblewrap where it runs, then the guard alone\n"
+              "    sandbox._BWRAP_OK = bwrap\n"
+              f"    print('RESULT', sandbox.run_code({tty_prog!r}, timeout=60.0, cache=False).stdout.strip())\n")
+    try:
+        master, slave = os.openpty()
+    except OSError as e:
+        pytest.skip(f"no pseudo-terminal here ({e}), so no terminal to keep from a program")
     try:
         out = subprocess.run([sys.executable, "-c", script], stdin=slave, capture_output=True, text=True, timeout=120)
     finally:
         os.close(master)
         os.close(slave)
-    assert "RESULT none" in out.stdout, (out.stdout[-300:], out.stderr[-600:])
+    if "HAS TTY" not in out.stdout:
+        pytest.skip(f"no terminal to be had here, so none to keep from a program: {out.stdout[-200:]}")
+    runs = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [mine for mine, _ in runs] == ["none", "none"], (out.stdout[-600:], out.stderr[-600:])
+    if S.bwrap_available():  # in its pid namespace it sees bubblewrap's init too: off the terminal as well
+        assert runs[0][1] == ["0"], runs  # (the guard alone sees the host's processes: no pid namespace)
 
 
 def test_sandbox_starts_python_without_the_interpreters_own_site_packages():
