@@ -83,27 +83,27 @@ if os.getuid() != 0:
 # What starts a run where the trainer has a terminal: it leaves the terminal, then execs bubblewrap (or the program).
 # A run shares the trainer's session (not one of its own: Linux's autogroup weighs each session alike, docs/tests.md),
 # so without this bubblewrap's init, which the program can ptrace, could push keystrokes into the user's shell
-# (TIOCSTI, CVE-2017-5226). A terminal it cannot leave stops the run.
+# (TIOCSTI, CVE-2017-5226). The kernel's word (tty_nr in /proc/self/stat), not whether /dev/tty opens (a terminal in
+# exclusive mode refuses it), says whether it has one; a terminal it cannot leave stops the run (exit 125).
 _OFF_TTY = r"""
 import os, sys, fcntl, termios
 try:
     tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-except OSError:
-    pass  # none any more
-else:
     fcntl.ioctl(tty, termios.TIOCNOTTY)
     os.close(tty)
+except OSError:
+    pass  # judged below
+if open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4] != "0":  # tty_nr
+    sys.stderr.write("sandbox: could not leave the trainer's terminal; the program did not run\n")
+    os._exit(125)
 os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
 def _has_tty():
-    """Whether this process has a controlling terminal."""
-    try:
-        os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
-        return True
-    except OSError:
-        return False
+    """Whether this process has a controlling terminal (tty_nr, as the shim reads it)."""
+    with open("/proc/self/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[4] != "0"
 
 
 _GUARD = r"""
@@ -464,6 +464,9 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
         if not bwrap_available():  # under bubblewrap its pid namespace died with it
             _kill_marked(marker)
         rc = p.returncode
+        if rc == 125 and err.text().startswith("sandbox: could not leave"):
+            warnings.warn("sandbox: no program runs: each could not leave the trainer's terminal (one in exclusive "
+                          "mode?); start training without one (nohup, setsid) or clear it (stty -F TTY -excl)")
         return RunResult(ok=(rc == 0 and not timed_out), stdout=out.text(), stderr=err.text()[-4000:], returncode=rc,
                          timed_out=timed_out, seconds=time.time() - t0)
     finally:

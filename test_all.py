@@ -2492,6 +2492,8 @@ def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
               "    os.close(os.open(os.ttyname(0), os.O_RDWR))\n"
               "    os.close(os.open('/dev/tty', os.O_RDONLY))\n    print('HAS TTY')\n"
               "except OSError as e:\n    print('NO TTY', e)\n"
+              "real_open = os.open  # a terminal that refuses opens (exclusive mode, to non-root) is still there\n"
+              "os.open = lambda p, *a: (_ for _ in ()).throw(OSError(16, p)) if p == '/dev/tty' else real_open(p, *a)\n"
               "import sandbox\nfor bwrap in (None, False):  # bubblewrap where it runs, then the guard alone\n"
               "    sandbox._BWRAP_OK = bwrap\n"
               f"    print('RESULT', sandbox.run_code({tty_prog!r}, timeout=60.0, cache=False).stdout.strip())\n")
