@@ -88,7 +88,7 @@ if os.getuid() != 0:
 _OFF_TTY = r"""
 import os, sys, fcntl, termios
 try:
-    tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)  # (a serial line without carrier: no wait)
     fcntl.ioctl(tty, termios.TIOCNOTTY)
     os.close(tty)
 except OSError:
@@ -101,9 +101,13 @@ os.execv(sys.argv[1], sys.argv[1:])
 
 
 def _has_tty():
-    """Whether this process has a controlling terminal (tty_nr, as the shim reads it)."""
-    with open("/proc/self/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[4] != "0"
+    """Whether this process has a controlling terminal (tty_nr, as the shim reads it; unreadable: yes, and the shim
+    decides)."""
+    try:
+        with open("/proc/self/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[4] != "0"
+    except OSError:
+        return True
 
 
 _GUARD = r"""
@@ -111,7 +115,8 @@ import os, sys
 _here = os.path.realpath(os.getcwd())
 _LIBC_DENY = {"fork", "vfork", "clone", "clone3", "system", "execv", "execve", "execvp", "execl", "execlp",
               "posix_spawn", "posix_spawnp", "kill", "killpg", "setsid", "daemon", "open", "open64", "openat",
-              "creat", "unlink", "rename", "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect"}
+              "creat", "unlink", "rename", "remove", "rmdir", "syscall", "ptrace", "popen", "socket", "connect",
+              "dlsym", "open_2", "openat64", "mount", "sigqueue", "tgkill", "pidfd_send_signal", "process_vm_writev"}
 def _inside(p):
     try:
         return os.path.realpath(os.fsdecode(p) if not isinstance(p, int) else _here).startswith(_here)
@@ -157,7 +162,8 @@ def _python():
 
 def _bwrap_prefix(work):
     exe, libs = _python()
-    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]
+    # --cap-drop ALL: run by root, bubblewrap keeps root's capabilities inside (a program remounted /usr writable)
+    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
     for d in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: links into /usr; else read-only copies
         p = "/" + d
         if os.path.islink(p):
@@ -167,7 +173,8 @@ def _bwrap_prefix(work):
     args += ["--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
     for p in [sys.base_prefix] + libs:
         args += ["--ro-bind", p, p]
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", work, "/sandbox", "--chdir", "/sandbox"]
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # the host's kernel settings: read-only
+    args += ["--dev", "/dev", "--bind", work, "/sandbox", "--chdir", "/sandbox"]
     return args, exe, libs
 
 

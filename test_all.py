@@ -2365,6 +2365,7 @@ MISBEHAVE = {
     "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
     "kill_all": "import os, signal\nos.kill(-1, signal.SIGKILL)\n",
     "ctypes_escape": "import ctypes\nctypes.CDLL(None).fork()\n",
+    "ctypes_dlsym": "import ctypes\nctypes.CDLL(None).dlsym(None, b'ptrace')\n",  # a denied name, looked up by hand
 }
 
 
@@ -2442,7 +2443,8 @@ def _procs_with(arg):
 
 
 def test_sandbox_is_an_os_boundary():
-    """Three escapes that the process guard alone let through (checked before bubblewrap): each is contained now.
+    """Three escapes that the process guard alone let through (checked before bubblewrap), and root's powers under
+    bubblewrap: each is contained now.
     Each program gets a minute: on a busy machine a sandboxed Python's start (sympy's import) passed the 5 s
     default, and a timeout is not what is checked here."""
     import socket
@@ -2462,6 +2464,13 @@ def test_sandbox_is_an_os_boundary():
             listener.recvfrom(100)  # the sandbox's loopback is its own: nothing arrives here
     finally:
         listener.close()
+    # a trainer run as root (these machines, CI, containers) gave its programs root's powers in the sandbox: they
+    # remounted the read-only host folders writable and could write the host's /proc/sys (kernel.core_pattern)
+    r = S.run_code("import json\ncaps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n"
+                   "sys = [l.split()[5] for l in open('/proc/self/mountinfo') if l.split()[4] == '/proc/sys']\n"
+                   "print(json.dumps([caps, sys]))", timeout=60.0, cache=False)
+    caps, proc_sys = json.loads(r.stdout)
+    assert set(caps) == {"0000000000000000"} and proc_sys and proc_sys[-1].split(",")[0] == "ro", (caps, proc_sys)
     # and ordinary programs, with third-party libraries, still run
     r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)", timeout=60.0)
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
