@@ -478,7 +478,15 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
         return RunResult(ok=(rc == 0 and not timed_out), stdout=out.text(), stderr=err.text()[-4000:], returncode=rc,
                          timed_out=timed_out, seconds=time.time() - t0)
     finally:
+        _remove(work)
+
+
+def _remove(work):
+    """A run's work folder, however deep the program nested folders in it (rmtree recurses: RecursionError)."""
+    try:
         shutil.rmtree(work, ignore_errors=True)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--", work], check=False)
 
 
 # -----------------------------------------------------------------------------

@@ -2712,6 +2712,22 @@ def test_code_judge_agrees_with_the_official_harnesses():
     assert len(diff) == 8  # the LCB stdin rows' `for line in sys.stdin` (ours: solved; LCB: fails)
 
 
+def test_sandbox_survives_a_deep_tree_and_leaves_nothing(tmp_path, monkeypatch):
+    """A program that nests 2000 folders (0.2 s, no guard bypassed) made the cleanup's shutil.rmtree raise
+    RecursionError out of run_code, which ended training and left the folders on the host's disk. With and without
+    bubblewrap the run returns and its work folder is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    prog = "import os\nfor _ in range(2000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('deep')\n"
+    for bwrap in (None, False):
+        S._BWRAP_OK = bwrap
+        try:
+            r = S.run_code(prog, timeout=60.0, cache=False)
+        finally:
+            S._BWRAP_OK = None
+        assert r.ok and r.stdout == "deep\n", (r.stdout, r.stderr[-300:])
+        assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
 def test_sandbox_counts_its_timeouts():
     """Programs killed at their time limit are counted (the step log's `timeouts`): a slow correct program is no longer
     a silent zero."""
