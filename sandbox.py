@@ -29,8 +29,10 @@ turn without it, 4 with it).
 """
 import contextlib
 import fcntl
+import functools
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -63,6 +65,7 @@ WORKERS = int(os.environ.get("SANDBOX_WORKERS", max(4, threads.usable_cores())))
 _SLOTS = threading.BoundedSemaphore(WORKERS)
 _WAITERS = ThreadPoolExecutor(max_workers=64)  # threads that only wait on a slot and a child process
 CACHE_SIZE = 4096
+TMPFS_MB = 64  # each writable folder of a run under bubblewrap: /tmp, its work folder, /dev/shm
 CACHE = os.environ.get("SANDBOX_CACHE", "1") != "0"  # 0: run every request (the serial baseline of bench.py env)
 
 # -----------------------------------------------------------------------------
@@ -163,20 +166,39 @@ def _python():
 
 def _bwrap_prefix(work):
     exe, libs = _python()
-    # --cap-drop ALL: run by root, bubblewrap keeps root's capabilities inside (a program remounted /usr writable)
-    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    # --cap-drop ALL: run by root, bubblewrap keeps root's capabilities inside (a program remounted /usr writable);
+    # no user namespaces inside, where it would have them back (bubblewrap >= 0.8)
+    args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
+    if _bwrap_version() >= (0, 8):
+        args += ["--unshare-user", "--disable-userns"]
+    args += ["--ro-bind", "/usr", "/usr"]
     for d in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: links into /usr; else read-only copies
         p = "/" + d
         if os.path.islink(p):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
-    args += ["--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
+    # the writable folders are tmpfs of TMPFS_MB each (bubblewrap >= 0.10; before, unsized: half the host's RAM),
+    # the work folder too, so a program fills neither the host's RAM nor its disk; /dev itself read-only
+    size = ["--size", str(TMPFS_MB << 20)] if _bwrap_version() >= (0, 10) else []
+    args += [*size, "--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
     for p in [sys.base_prefix] + libs:
         args += ["--ro-bind", p, p]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # the host's kernel settings: read-only
-    args += ["--dev", "/dev", "--bind", work, "/sandbox", "--chdir", "/sandbox"]
-    return args, exe, libs
+    args += ["--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", *size, "--tmpfs", "/sandbox"]
+    for name in ("prog.py", "_guard.py"):
+        args += ["--ro-bind", os.path.join(work, name), "/sandbox/" + name]
+    return args + ["--chdir", "/sandbox"], exe, libs
+
+
+@functools.cache
+def _bwrap_version():
+    """bubblewrap's version, e.g. (0, 11, 0); (0,) where it does not say."""
+    try:
+        out = subprocess.run([_BWRAP_PATH, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0,)
+    return tuple(int(x) for x in re.findall(r"\d+", out)[:3]) or (0,)
 
 
 def _find_bwrap():
@@ -203,6 +225,8 @@ def bwrap_available():
         if _BWRAP_PATH and os.environ.get("SANDBOX_NO_BWRAP") != "1":
             work = tempfile.mkdtemp(prefix="sbx_")
             try:
+                for name in ("prog.py", "_guard.py"):  # bound into the sandbox as a run's are
+                    open(os.path.join(work, name), "w").close()
                 args, exe, _ = _bwrap_prefix(work)
                 r = subprocess.run(
                     args + ["--clearenv", "--", exe, "-I", "-c", "print(7)"], capture_output=True, timeout=60

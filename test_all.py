@@ -2471,6 +2471,19 @@ def test_sandbox_is_an_os_boundary():
                    "print(json.dumps([caps, sys]))", timeout=60.0, cache=False)
     caps, proc_sys = json.loads(r.stdout)
     assert set(caps) == {"0000000000000000"} and proc_sys and proc_sys[-1].split(",")[0] == "ro", (caps, proc_sys)
+    # its writable folders were unsized tmpfs (host RAM, half of it each: /tmp, /dev/shm, /dev) and the host's disk
+    # (the work folder): a program could fill either within its timeout; nested user namespaces gave it root's
+    # capabilities again (the kernel's attack surface). Each folder now stops it at TMPFS_MB.
+    fill = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.fopen.restype = ctypes.c_void_p\n"
+            "def fill(d):  # through libc's stdio, past the guard: the OS's limits are what is checked\n"
+            "    for mb in range(200):  # 1 MB files: RLIMIT_FSIZE caps one\n"
+            "        f = libc.fopen(f'{d}/f{mb}'.encode(), b'wb')\n"
+            "        if not f or libc.fwrite(b'x' * (1 << 20), 1, 1 << 20, ctypes.c_void_p(f)) < (1 << 20) or "
+            "libc.fclose(ctypes.c_void_p(f)):\n            return mb\n    return 200\n"
+            "print(json.dumps([fill(d) for d in ('/tmp', '.', '/dev/shm', '/dev')] + [libc.unshare(0x10000000)]))\n")
+    r = S.run_code(fill, timeout=60.0, cache=False)
+    *written, userns = json.loads(r.stdout)
+    assert max(written) <= S.TMPFS_MB and written[-1] == 0 and userns == -1, (r.stdout, r.stderr[-300:])
     # and ordinary programs, with third-party libraries, still run
     r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)", timeout=60.0)
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
