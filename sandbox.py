@@ -213,10 +213,16 @@ def _find_bwrap():
 _BWRAP_PATH = _find_bwrap()
 _BWRAP_OK = None  # checked once, on first use
 _BWRAP_HARDENING = HARDENINGS[-1]  # what the probe found this bubblewrap accepts
+_BWRAP_LOCK = threading.Lock()
 
 
 def bwrap_available():
     """Whether runs go through bubblewrap here (False: no bwrap, or the kernel refuses the namespaces)."""
+    with _BWRAP_LOCK:  # the first runs come at once: none may pass while the probe is under way
+        return _bwrap_check()
+
+
+def _bwrap_check():
     global _BWRAP_OK, _BWRAP_HARDENING
     if _BWRAP_OK is None:
         _BWRAP_OK = False
@@ -463,9 +469,9 @@ def _pump():
         return _PUMP
 
 
-def _forget_pump():  # a forked child has no pump thread: it starts its own
-    global _PUMP, _PUMP_LOCK
-    _PUMP, _PUMP_LOCK = None, threading.Lock()
+def _forget_pump():  # a forked child has no pump thread (it starts its own) and no probe under way
+    global _PUMP, _PUMP_LOCK, _BWRAP_LOCK
+    _PUMP, _PUMP_LOCK, _BWRAP_LOCK = None, threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pump)

@@ -2511,6 +2511,21 @@ def test_sandbox_keeps_bubblewrap_with_less_hardening(monkeypatch):
     assert r.ok and r.stdout == "2\n", (r.stdout, r.stderr[-300:])  # in its pid namespace: bubblewrap's
 
 
+def test_sandbox_first_runs_wait_for_the_probe(monkeypatch):
+    """The first runs come at once (run_many): the probe set False before it ran bubblewrap, so a run beside it
+    read False and went through the guard alone, no boundary, while the probe was under way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def slow_probe(hardening):
+        time.sleep(0.5)
+        return True, ""
+    monkeypatch.setattr(S, "_probe", slow_probe)
+    monkeypatch.setattr(S, "_BWRAP_OK", None)
+    monkeypatch.setattr(S, "_BWRAP_HARDENING", S._BWRAP_HARDENING)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: S.bwrap_available(), range(4))) == [True] * 4
+
+
 def test_sandbox_programs_share_the_trainers_session_but_not_its_terminal():
     """A program is a process group of the trainer's session, not a session of its own: Linux's autogroup gives each
     session an equal share of the CPU, so sixteen programs outweighed the trainer sixteen-fold, and beside busy
