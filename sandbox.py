@@ -10,10 +10,10 @@ Three layers, outermost first:
    ipc, uts, user and mount namespaces (none nested), `--die-with-parent`, no capabilities (root's dropped), off the
    trainer's terminal (`_OFF_TTY`). Inside, the file system is empty except the system's /usr (read-only), the Python
    runtime (sys.base_prefix, read-only), the libraries' site-packages (read-only), /proc (/proc/sys read-only), /dev
-   (read-only), and a private /tmp, /dev/shm and work directory (tmpfs of TMPFS_MB each). Nothing of the project (its
-   data with the expected outputs, checkpoints, runs), no home directory and none of the trainer's environment
-   variables is visible; the network is the sandbox's own loopback; when the run ends, every process it started dies
-   with its pid namespace, however it was spawned.
+   (read-only), and a private /tmp, /dev/shm and work directory (tmpfs of TMPFS_MB each; `Hardening`: less where a
+   host refuses it). Nothing of the project (its data with the expected outputs, checkpoints, runs), no home
+   directory and none of the trainer's environment variables is visible; the network is the sandbox's own loopback;
+   when the run ends, every process it started dies with its pid namespace, however it was spawned.
 2. OS limits, set by the child itself before the program: address space, CPU seconds, the size of files it writes
    (stdout and stderr are pipes, kept in part: `_Kept`), no core dumps; a wall-clock timeout kills the whole process
    group, and (without bubblewrap's pid namespace) a sweep kills anything still carrying the run's marker.
@@ -167,7 +167,8 @@ class Hardening(NamedTuple):
     """What a run's bubblewrap adds beyond its namespaces, where the host's bubblewrap accepts it (the probe
     in bwrap_available keeps the first of HARDENINGS that runs)."""
     no_nested_userns: bool  # --disable-userns (0.8): a user namespace inside would give a program capabilities
-    sized_tmpfs: bool       # --size (0.7, not setuid): else each writable folder may take half the host's RAM
+    sized_tmpfs: bool       # --size (0.7, not setuid): /tmp, /dev/shm and the work folder tmpfs of TMPFS_MB, /dev
+                            # read-only; else /tmp may take half the host's RAM and the work folder its disk
 
 
 HARDENINGS = [Hardening(True, True), Hardening(False, True), Hardening(False, False)]
@@ -186,15 +187,15 @@ def _bwrap_prefix(work, hardening):
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
-    # the writable folders are tmpfs of TMPFS_MB each, the work folder too, so a program fills neither the host's
-    # RAM nor its disk; /dev itself read-only
     size = ["--size", str(TMPFS_MB << 20)] if hardening.sized_tmpfs else []
     args += [*size, "--tmpfs", "/tmp"]  # before the binds: a runtime or venv under /tmp is mounted on top of it
     for p in [sys.base_prefix] + libs:
         args += ["--ro-bind", p, p]
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys"]  # the host's kernel settings: read-only
+    if not hardening.sized_tmpfs:
+        return args + ["--dev", "/dev", "--bind", work, "/sandbox", "--chdir", "/sandbox"], exe, libs
     args += ["--dev", "/dev", *size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev", *size, "--tmpfs", "/sandbox"]
-    for name in ("prog.py", "_guard.py"):
+    for name in ("prog.py", "_guard.py"):  # the program and its guard, read-only, in a work folder of its own
         args += ["--ro-bind", os.path.join(work, name), "/sandbox/" + name]
     return args + ["--chdir", "/sandbox"], exe, libs
 

