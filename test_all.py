@@ -2505,7 +2505,7 @@ def test_sandbox_keeps_bubblewrap_with_less_hardening(monkeypatch):
     monkeypatch.setattr(S, "_BWRAP_HARDENING", S._BWRAP_HARDENING)
     with pytest.warns(UserWarning, match="less hardening"):
         assert S.bwrap_available()
-    assert S._BWRAP_HARDENING == S.HARDENINGS[1]
+    assert S._BWRAP_HARDENING in S.HARDENINGS[1:]  # the next rung, or the last where a host refuses that too
     r = S.run_code("import os\nprint(os.getpid())", cache=False)
     assert r.ok and r.stdout == "2\n", (r.stdout, r.stderr[-300:])  # in its pid namespace: bubblewrap's
 
