@@ -10,6 +10,7 @@ one).
     python bench.py train      # the CPU default's update: packed rows (prompt once per group) vs a row per sample
     python bench.py refill     # DAPO's refill (the CPU default): tokens generated per token trained, batch vs missing
     python bench.py share      # a busy machine: warm-up and default steps alone and beside busy processes
+    python bench.py ranks      # the same, train.py end to end: one process of 2 threads vs 2 ranks of 1 thread
     python bench.py quota      # a container's CPU quota: torch's own threads vs the cores it allows (root)
     python bench.py step       # where the CPU default's step goes, vLLM vs the torch sampler, against matmul peak
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
@@ -683,6 +684,53 @@ def bench_share(plan=SHARE_PLAN):
                       f"{os.cpu_count()} cores, medians", "rows": rows}))
 
 
+RANKS_LOADS, RANKS_STEPS = (0, 2, 4), 12  # busy processes beside each layout; steps of each train.py run
+
+
+def bench_ranks(loads=RANKS_LOADS, steps=RANKS_STEPS):
+    """The CPU default as train.py runs it, two ways on the same cores: one process of torch's two threads
+    (`python train.py`) and two ranks of one thread each (`torchrun --nproc_per_node=2 train.py`), alone and
+    beside busy processes. Each busy process starts a session of its own, as torchrun starts each rank: where
+    the kernel's autogroup is on it weighs sessions alike, so the busy ones count as the ranks do. Medians over
+    each run's steps after the second: a step's seconds, generation's per rollout and the update's per thousand
+    tokens trained (two ranks draw other samples and refill other steps, so a step's work differs); each over
+    its own layout alone and over the first layout at that load."""
+    import train as T
+    tiny.build_base(tiny.base_path(T.configure([])), T.configure([]))  # alone, once (cached)
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = ["train.py", "--steps", str(steps), "--stop_step", str(steps), "--eval_every", "0", "--ckpt_every", "0",
+            "--time_limit_min", "0"]
+    layouts = {"1 process, 2 threads": [sys.executable, *args],
+               "2 ranks, 1 thread each": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                          "--master_port=29531", *args]}
+    rows = []
+    for load in loads:
+        for name, argv in layouts.items():
+            out = tempfile.mkdtemp()
+            busy = [subprocess.Popen([sys.executable, "-c", BUSY], start_new_session=True) for _ in range(load)]
+            try:
+                subprocess.run([*argv, "--out_dir", os.path.join(out, "run")], cwd=here, check=True,
+                               capture_output=True, timeout=3600)
+            finally:
+                for b in busy:
+                    b.kill()
+            recs = [json.loads(x) for x in open(os.path.join(out, "run", "metrics.jsonl"))][2:]
+            rows.append(dict(layout=name, busy=load, step=statistics.median(r["t_step"] for r in recs),
+                             gen_per_rollout=statistics.median(r["t_gen"] / r["rollouts"] for r in recs),
+                             train_per_ktoken=statistics.median(1e3 * r["t_train"] / r["trained_tokens"]
+                                                                for r in recs if r["trained_tokens"]),
+                             rollouts=statistics.mean(r["rollouts"] for r in recs)))
+            print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        alone = next(r for r in rows if r["layout"] == row["layout"] and not r["busy"])
+        first = next(r for r in rows if r["busy"] == row["busy"])
+        for part in ("step", "gen_per_rollout", "train_per_ktoken"):
+            row[part + "_over_alone"] = row[part] / alone[part]
+            row[part + "_over_first_layout"] = row[part] / first[part]
+    print(json.dumps({"bench": f"the CPU default, one process vs two ranks, {steps} steps each, "
+                      f"{os.cpu_count()} cores, medians", "rows": rows}))
+
+
 def cpu_cgroup(name, cores):
     """A cgroup of the CPU controller allowing `cores` cores' time (period 100 ms), made here: cgroup v1's
     cpu.cfs_quota_us, else v2's cpu.max (as docker --cpus sets them). OSError where this user cannot (not root, no
@@ -756,7 +804,7 @@ if __name__ == "__main__":
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
                    "train": bench_train, "refill": bench_refill, "share": bench_share, "quota": bench_quota,
-                   "step": bench_step, "gpu": bench_gpu}
+                   "step": bench_step, "ranks": bench_ranks, "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

@@ -5353,6 +5353,37 @@ def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, mo
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25 * cores, 0.0, 0.0))
     T.print_config(T.configure(args))
     assert "note: the machine has been busy" not in capsys.readouterr().out
+    # the note names the layout that keeps its share (bench.py ranks): one rank per core, where they divide
+    # the step's envs; none where the run has its ranks already or one core
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5 * cores, 0.0, 0.0))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    two = "; 2 ranks of one thread each lose less to it (other random draws): torchrun --nproc_per_node=2 train.py"
+    for usable, fix in ((2, two + " with the same flags ("), (1, "while it is ("), (3, "while it is (")):
+        monkeypatch.setattr(threads, "usable_cores", lambda usable=usable: usable)
+        T.print_config(T.configure(args))
+        assert fix in capsys.readouterr().out, usable
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    T.print_config(T.configure(args))
+    assert "while it is (" in capsys.readouterr().out
+
+
+def test_a_ranks_warm_up_takes_the_cores_its_ranks_wait_on(monkeypatch):
+    """torchrun starts each CPU rank on one thread (OMP_NUM_THREADS=1) and the other ranks wait in a barrier while
+    rank 0 warms the tiny base up: it does so on the cores the process may use, then goes back to its one thread
+    (it warmed up on one thread: 1.6x the time alone, bench.py share). One process keeps its own count."""
+    import train as T
+    seen = []
+    monkeypatch.setattr(tiny, "build_base", lambda path, cfg, size: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: seen.append("barrier"))
+    monkeypatch.setattr(threads, "usable_cores", lambda: 3)
+    cfg = T.configure([])
+    pols, _ = config.resolve(cfg)
+    with one_thread():
+        tiny.bases(cfg, pols, master=True, world=2)
+        assert (seen, torch.get_num_threads()) == ([3, "barrier"], 1)
+        seen.clear()
+        tiny.bases(cfg, pols, master=True, world=1)
+        assert (seen, torch.get_num_threads()) == ([1], 1)
 
 
 def test_cpu_quota_reads_the_kernels_files_up_the_cgroup_tree(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import random
 import shutil
 import time
 
+import threads  # before torch (OpenMP's settings)
 import torch
 
 import envs as E
@@ -124,8 +125,12 @@ def bases(cfg, pols, master, world):
         return [p.base for p in pols]
     paths = [base_path(cfg, p.base) for p in pols]
     if master:
+        own = torch.get_num_threads()
+        if world > 1:  # torchrun gives each CPU rank one thread: the warm-up takes the cores the others wait on
+            torch.set_num_threads(max(own, threads.usable_cores()))
         for path, p in zip(paths, pols):
             build_base(path, cfg, p.base)
+        torch.set_num_threads(own)
     if world > 1:
         torch.distributed.barrier()
     return paths

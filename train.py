@@ -684,10 +684,22 @@ def print_config(cfg):
     load = threads.load_per_core()
     if load >= 1.0:  # others' work: slower steps, fewer in --time_limit_min
         print(f"note: the machine has been busy (1-minute load {load:.1f} per core): steps take "
-              "longer than alone while it is (docs/results.md, \"Sharing the machine\")", flush=True)
+              f"longer than alone while it is{busy_fix(cfg)} (docs/results.md, \"Sharing the machine\")",
+              flush=True)
     if tiny.is_tiny(cfg) and not E.TASKS[cfg["task"]]["answer_tokens"]:  # no compact form (code, math)
         print(f"note: the tiny model cannot learn {cfg['task']} (it only exercises the code path); "
               "use --model for real runs")
+
+
+def busy_fix(cfg):
+    """What a one-process CPU run on a busy machine can do: ranks of one thread each never wait for a
+    sibling thread the scheduler took away (torch's threads meet after every op), so they keep more
+    of their share, though a step alone costs ~10-20% more (bench.py ranks). Other random draws."""
+    n = threads.usable_cores()
+    if torch.cuda.is_available() or "WORLD_SIZE" in os.environ or n < 2 or cfg["envs_per_step"] % n:
+        return ""
+    return (f"; {n} ranks of one thread each lose less to it (other random draws): "
+            f"torchrun --nproc_per_node={n} train.py with the same flags")
 
 
 def held_out(test_envs, agents, cfg, step, rank, world, master):
