@@ -693,8 +693,9 @@ def print_config(cfg):
 
 def busy_fix(cfg):
     """What a one-process CPU run on a busy machine can do: ranks of one thread each never wait for a
-    sibling thread the scheduler took away (torch's threads meet after every op), so they keep more
-    of their share, though a step alone costs ~10-20% more (bench.py ranks). Other random draws."""
+    sibling thread the scheduler took away (torch's threads meet after every op), so they keep their
+    share (2.8x alone beside two busy processes per core, one process 6.1x), though a step alone costs
+    1.2-1.5x (FSDP2's collectives on gloo: bench.py ranks). Other random draws than one process."""
     n = threads.usable_cores()
     if torch.cuda.is_available() or "WORLD_SIZE" in os.environ or n < 2 or cfg["envs_per_step"] % n:
         return ""
