@@ -696,7 +696,8 @@ def bench_ranks(loads=RANKS_LOADS, steps=RANKS_STEPS):
     tokens trained (two ranks draw other samples and refill other steps, so a step's work differs); each over
     its own layout alone and over the first layout at that load."""
     import train as T
-    tiny.build_base(tiny.base_path(T.configure([])), T.configure([]))  # alone, once (cached)
+    cfg = T.configure([])
+    tiny.build_base(tiny.base_path(cfg), cfg)  # alone, once (cached)
     here = os.path.dirname(os.path.abspath(__file__))
     args = ["train.py", "--steps", str(steps), "--stop_step", str(steps), "--eval_every", "0", "--ckpt_every", "0",
             "--time_limit_min", "0"]
