@@ -2,14 +2,17 @@
 
     python docs/rank_update.py                                                   # one process, torch's threads
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/rank_update.py            # two ranks of one thread
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/rank_update.py --keep_gathered
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 docs/rank_update.py --keep_gathered   # or --hsdp, --replicate
 
 The samples are bench.py train's: the CPU default's cached tiny base (built by any `python train.py` first),
 three tree rollouts of 16 compact Plan-Path envs, AT-GRPO's advantages; each rank takes the envs of its own
 parity. train.update_policy runs on them `--reps` times over (the weights move on, the work stays the same); the
 line gives the median seconds an update, and each rank the seconds it spent waiting in c10d (cProfile, one pass
 over the three). --keep_gathered: FSDP2's reshard_after_forward=False on every unit (each unit's weights stay
-gathered from its forward to its backward: one all-gather less a micro-batch, torchtitan's "never" policy)."""
+gathered from its forward to its backward: one all-gather less a micro-batch, torchtitan's "never" policy);
+--hsdp: FSDP2 over a (world, 1) mesh (replicated, a shard of one); --replicate: no FSDP2, DDP's composable
+`replicate` (whole weights on every rank, gradients all-reduced in backward). A probe: it times, it does not
+compare the layouts' weights (test_all's FSDP2 tests do that for the layout train.py uses)."""
 import cProfile
 import os
 import pstats
@@ -49,7 +52,19 @@ for r in range(3):  # every rank draws all three, then keeps its envs
     samples = compute_advantages(tree_rollout(envs, agents, cfg["K"], cfg["turns"], sampling, 1.0, "greedy",
                                               rng), "at_grpo")[0]
     rollouts.append([s for s in samples if s.env % world == rank])
-model = _make_model(cfg, base, C.DEVICE)  # FSDP2-sharded under torchrun, as train.py builds it
+if "--replicate" in sys.argv:  # DDP's way: whole weights on every rank, gradients all-reduced in backward
+    from torch.distributed._composable import replicate
+    C.OWN_GROUP = False
+    model = replicate(_make_model(cfg, base, C.DEVICE))
+    C.OWN_GROUP = True
+elif "--hsdp" in sys.argv:  # FSDP2 over a (world, 1) mesh: replicated across ranks, a shard of one (HSDP)
+    from torch.distributed.device_mesh import init_device_mesh
+    C.OWN_GROUP = False
+    model = _make_model(cfg, base, C.DEVICE)
+    C.OWN_GROUP = True
+    M.shard(model, mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
+else:
+    model = _make_model(cfg, base, C.DEVICE)  # FSDP2-sharded under torchrun, as train.py builds it
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 seconds, prof = [], cProfile.Profile()
 for rep in range(reps):
@@ -65,6 +80,7 @@ for rep in range(reps):
 waits = sum(v[2] for k, v in pstats.Stats(prof).stats.items() if k[2].endswith("c10d.wait>"))
 print(f"rank {rank}: c10d waits {waits:.2f} s over one pass of 3 updates", flush=True)
 if rank == 0:
-    print(f"world {world}, {torch.get_num_threads()} thread(s) a rank, keep_gathered "
-          f"{'--keep_gathered' in sys.argv}: an update {statistics.median(seconds):.3f} s (median of {len(seconds)})")
+    layout = [flag for flag in ("--keep_gathered", "--hsdp", "--replicate") if flag in sys.argv] or ["FSDP2"]
+    print(f"world {world}, {torch.get_num_threads()} thread(s) a rank, {layout[0]}: an update "
+          f"{statistics.median(seconds):.3f} s (median of {len(seconds)})")
 C.close_dist()
