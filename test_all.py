@@ -6747,6 +6747,25 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, sig, uninterrupted_
     assert [x["step"] for x in b] == [0, 1, 2, 3, 4, 5] and a == b
 
 
+def test_a_crash_in_native_code_prints_where_python_was(tmp_path):
+    """A segfault in native code (a rank 0 of the two-rank LoRA test died of SIGSEGV under load once, rc -11,
+    with no line saying where) leaves each thread's Python stack on stderr (faulthandler, as pytest does for
+    its own process): a real SIGSEGV to a running train.py, which still dies of it."""
+    import signal
+    args = [PY, "train.py", "--steps", "1", "--stop_step", "1", "--eval_every", "0", "--ckpt_every", "0",
+            "--out_dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AT_GRPO_MINI_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen(args, cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.readline().startswith("config:")  # main() is running
+        p.send_signal(signal.SIGSEGV)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in err and 'File "' in err and "main" in err, err[-2000:]
+
+
 def test_a_signal_while_a_line_is_being_written_stops_cleanly(monkeypatch, capfd):
     """A signal that lands while the run writes a line: the handler's own notice once re-entered the buffered
     stdout the main thread was inside (`RuntimeError: reentrant call inside <_io.BufferedWriter>`), so a

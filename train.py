@@ -29,6 +29,7 @@ What this script simplifies, and why:
     format only (tiny.py) on a compact game, through the same code path, with its own preset (why
     each value differs from the paper's: docs/design.md, "The tiny default").
 """
+import faulthandler
 import math
 import os
 import random
@@ -746,4 +747,5 @@ def save(cfg, step, models, opts, pols, engines, tokenizer, rank, elapsed):
 
 if __name__ == "__main__":
     C.stop_on_signals()  # Ctrl-C and SIGTERM: one line and a resumable run, never a traceback
+    faulthandler.enable()  # a crash in native code (SIGSEGV) prints each thread's Python stack
     main(sys.argv[1:])
