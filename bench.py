@@ -13,6 +13,7 @@ one).
     python bench.py ranks      # the same, train.py end to end: one process of 2 threads vs 2 ranks of 1 thread
     python bench.py quota      # a container's CPU quota: torch's own threads vs the cores it allows (root)
     python bench.py step       # where the CPU default's step goes, vLLM vs the torch sampler, against matmul peak
+    python bench.py prefix     # the torch sampler's reuse of the last call's prefill: evaluation and collect, +-
     python bench.py gpu        # CUDA only: bf16 parity vs transformers, fwd+bwd MFU of Qwen3-1.7B, the update
 """
 import functools
@@ -623,6 +624,43 @@ def bench_step(engines=("vllm", "torch"), repeats=8):
                       "rows": rows}))
 
 
+def bench_prefix(repeats=5):
+    """The torch sampler's reuse of the last call's prefill (engines.Prefilled; the plan agent's prompt is the tool
+    agent's board and one line): the CPU default's in-run evaluation (200 held-out puzzles, greedy, the cached
+    base: every episode its 4 turns) and a step's collect (generation, the env, the refill; the base's weights),
+    each with the reuse and without it (Prefilled.KEEP_BYTES = 0: nothing kept), interleaved, medians."""
+    import engines
+    import train as T
+    from policies import make_engine
+    from rollout import Agents
+    cfg = T.configure([])
+    base = tiny.base_path(cfg)
+    tiny.build_base(base, cfg)  # cached
+    tok = M.load_tokenizer(base)
+    tasks, test_envs = T.load_tasks(cfg)
+    keep = engines.Prefilled.KEEP_BYTES
+    secs = {(part, on): [] for part in ("eval", "collect") for on in (True, False)}
+    for r in range(repeats + 1):  # the first, which warms the shapes, not counted
+        for on in (True, False):
+            engines.Prefilled.KEEP_BYTES = keep if on else 0
+            agents = Agents(tok, [make_engine("torch", base, seed=0, max_len=cfg["max_model_len"])],
+                            {"tool": 0, "plan": 0}, cfg["max_prompt_tokens"])
+            t0 = time.perf_counter()
+            acc = T.held_out(test_envs, agents, cfg, 0, 0, 1, False)["accuracy"]
+            t1 = time.perf_counter()
+            T.collect(cfg, r, 0, agents, tasks, cfg["envs_per_step"])
+            t2 = time.perf_counter()
+            if r:
+                secs[("eval", on)].append(t1 - t0)
+                secs[("collect", on)].append(t2 - t1)
+    engines.Prefilled.KEEP_BYTES = keep
+    med = {f"{part}_s_{'reuse' if on else 'none'}": statistics.median(v) for (part, on), v in secs.items()}
+    print(json.dumps({"bench": f"the torch sampler's prefix reuse, the CPU default's base, {repeats} interleaved "
+                      f"repeats, {torch.get_num_threads()} threads, medians", "held_out": acc, **med,
+                      "eval_reuse_over_none": med["eval_s_reuse"] / med["eval_s_none"],
+                      "collect_reuse_over_none": med["collect_s_reuse"] / med["collect_s_none"]}))
+
+
 def share_child(kind, threads_n, repeats):
     """In a child process: the median seconds of `kind`'s parts (printed as one JSON line). warmup: the tiny base's
     format warm-up step (32 compact Plan-Path pairs). step: the CPU default's step on its engine (torch): collect
@@ -805,7 +843,7 @@ if __name__ == "__main__":
     else:
         benches = {"model": bench_model, "sampler": bench_sampler, "sandbox": bench_sandbox, "env": bench_env,
                    "train": bench_train, "refill": bench_refill, "share": bench_share, "quota": bench_quota,
-                   "step": bench_step, "ranks": bench_ranks, "gpu": bench_gpu}
+                   "step": bench_step, "prefix": bench_prefix, "ranks": bench_ranks, "gpu": bench_gpu}
         if which in ("-h", "--help"):
             print(__doc__.strip())
         elif which not in benches:

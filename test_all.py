@@ -460,6 +460,41 @@ def test_torch_sampler_prefills_each_prompt_once(tiny_dir):
 
 
 @exact
+def test_torch_sampler_computes_only_what_the_last_call_did_not(tiny_dir):
+    """A prompt that begins as one of the previous call's did (the plan agent's prompt: the tool agent's board and
+    one line) copies that part of the cache: the prefill's columns are the longest new part, not the prompt. Each
+    sample's log-probs are still the trainer's on the whole sequence with no cache (an independent forward), for a
+    prompt that extends a kept one, equals one, shares a block, shares less than a block, and shares nothing; and
+    after new weights nothing kept is used (their cache was the old weights')."""
+    from policies import make_engine
+    te = make_engine("torch", tiny_dir, seed=1, max_len=1024)
+    m = M.load_model(tiny_dir)
+    kept = [list(range(40, 80)), list(range(100, 130)), [257, 71, 68, 75, 75, 78, 220, 86, 78]]
+    te.generate(kept, n=2, temperature=1.0, max_new_tokens=4)
+    rows = []
+    te.model.model.embed_tokens.register_forward_hook(lambda mod, args, out: rows.append(tuple(args[0].shape)))
+    prompts = [kept[0] + [7, 8, 9], kept[1], list(range(100, 118)) + [5, 6], kept[2] + [1], [9] * 20]
+    out = te.generate(prompts, n=3, temperature=0.9, max_new_tokens=5)
+    new_part = [3, 1, 2, 10, 20]  # (the last token of an equal prompt: its logits start the answer)
+    assert rows[0] == (5, max(new_part))  # the prefill computes the columns of the longest new part only
+
+    def check(model, prompts, out, temperature):
+        for p, o in zip(prompts, out):
+            for c in o:
+                ids = torch.tensor([p + c.ids])
+                lp = M.token_logprobs(model, ids[:, :-1], ids[:, 1:], temperature=temperature)[0, len(p) - 1:]
+                assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+    check(m, prompts, out, 0.9)
+    with torch.no_grad():
+        m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    te.load(M.iter_hf_state(m))
+    rows.clear()
+    out = te.generate(prompts, n=2, temperature=1.0, max_new_tokens=5)
+    assert rows[0] == (5, max(len(p) for p in prompts))  # nothing reused across new weights
+    check(m, prompts, out, 1.0)
+
+
+@exact
 @one_vllm
 def test_sync_after_optimizer_step(tiny_dir, vllm_engine):
     trainer = M.load_model(tiny_dir)
