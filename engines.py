@@ -280,15 +280,15 @@ class Prefilled:
     def match(self, p):
         """(row, m): a kept prompt whose first m tokens are p's (m < len(p): the last token is
         always computed, for its logits); (0, 0) when none shares a whole block."""
-        row = None
-        for h in self.blocks(p):
+        row, m = None, 0
+        for j, h in enumerate(self.blocks(p), 1):
             if h not in self.index:
                 break
-            row = self.index[h]
-        if row is None:
+            row, m = self.index[h], j * self.BLOCK
+        q = self.prompts[row] if row is not None else []
+        if row is None or p[:m] != q[:m]:  # the tokens, not only their hash
             return 0, 0
-        q, m = self.prompts[row], 0
-        while m < min(len(p), len(q)) and p[m] == q[m]:  # the tokens, not only their hash
+        while m < min(len(p), len(q)) and p[m] == q[m]:  # into the next block
             m += 1
         return row, min(m, len(p) - 1)
 

@@ -492,6 +492,10 @@ def test_torch_sampler_computes_only_what_the_last_call_did_not(tiny_dir):
     out = te.generate(prompts, n=2, temperature=1.0, max_new_tokens=5)
     assert rows[0] == (5, max(len(p) for p in prompts))  # nothing reused across new weights
     check(m, prompts, out, 1.0)
+    from engines import Prefilled
+    forged = list(range(200, 240))  # a block hash that names a row of other tokens (a collision) reuses nothing
+    te.kept.index[next(Prefilled.blocks(forged))] = 0
+    assert te.kept.match(forged) == (0, 0) and te.kept.match(prompts[0]) == (0, len(prompts[0]) - 1)
 
 
 @exact
