@@ -285,8 +285,10 @@ class Prefilled:
             if h not in self.index:
                 break
             row, m = self.index[h], j * self.BLOCK
-        q = self.prompts[row] if row is not None else []
-        if row is None or p[:m] != q[:m]:  # the tokens, not only their hash
+        if row is None:
+            return 0, 0
+        q = self.prompts[row]
+        if p[:m] != q[:m]:  # the tokens, not only their hash
             return 0, 0
         while m < min(len(p), len(q)) and p[m] == q[m]:  # into the next block
             m += 1
@@ -298,11 +300,10 @@ class Prefilled:
         rows = torch.tensor([r for r, _ in reuse], device=self.cache[0][0].device)
         src = [self.starts[r] - s for (r, _), s in zip(reuse, starts)]
         col = torch.arange(columns)[None] + torch.tensor(src)[:, None]
-        for (k, v), (k0, v0) in zip(cache, self.cache):
-            idx = col.clamp(0, k0.shape[2] - 1).to(k0.device)
-            idx = idx[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3])
-            k[:, :, :columns] = k0[rows].gather(2, idx)
-            v[:, :, :columns] = v0[rows].gather(2, idx)
+        col = col.clamp(0, self.cache[0][0].shape[2] - 1).to(rows.device)
+        for (k, v), (k0, v0) in zip(cache, self.cache):  # [rows, columns, heads, dim] -> heads first
+            k[:, :, :columns] = k0[rows[:, None], :, col].transpose(1, 2)
+            v[:, :, :columns] = v0[rows[:, None], :, col].transpose(1, 2)
 
 
 class TorchEngine(Engine):
@@ -329,9 +330,10 @@ class TorchEngine(Engine):
         L = P + max_new_tokens
         ids = torch.zeros(B0, P, dtype=torch.long, device=dev)
         valid = torch.zeros(B0, L, dtype=torch.bool, device=dev)
-        for i, p in enumerate(prompts):  # left padding: every row's next token lands in the same column
-            ids[i, P - len(p):] = torch.tensor(p, device=dev)
-            valid[i, P - len(p):] = True
+        starts = [P - len(p) for p in prompts]  # left padding: every row's next token lands in the same column
+        for i, p in enumerate(prompts):
+            ids[i, starts[i]:] = torch.tensor(p, device=dev)
+            valid[i, starts[i]:] = True
         pos = (valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         # a pad query attends to itself, so no row of the mask is empty (SDPA would give NaN)
@@ -340,7 +342,6 @@ class TorchEngine(Engine):
         # only columns C.. (the longest new part; a row's shared tokens there are computed again)
         reuse = [self.kept.match(p) if self.kept else (0, 0) for p in prompts]
         C = P - max(len(p) - m for p, (_, m) in zip(prompts, reuse))
-        starts = [P - len(p) for p in prompts]
         cache = self.model.new_cache(B0, L)
         if C > 0:
             self.kept.copy_into(cache, reuse, starts, C)
