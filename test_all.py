@@ -7004,6 +7004,35 @@ def test_summary_table_of_seeds_by_hand(tmp_path):
     assert RUNS.summary(cs, at_step=10).splitlines()[2].split(" | ")[6] == "0.35 [0.30-0.40]"
 
 
+def test_targets_by_minutes_by_step_and_on_a_slower_machine_by_hand(tmp_path):
+    """tools/runs.py --targets reads the README's three targets per run (0.80 within 10 minutes, never below 0.70
+    after, 0.90 at the end of 15), by step (--at_step 150: 0.80 by step 120, the end at 150), and as on a machine F
+    times slower (--slower F: the run's clock times F, the run stopped at the first step past 15 minutes). The
+    verdicts here worked out by hand; on the quota runs of 2026-12-07 it gives the log's hand-made table."""
+    def run(name, curve):  # a step every 5.9 s, an evaluation every 10 steps and at the stop (step 153, 15.04 min)
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": s, "time": 5.9 * s, **({"eval_success": curve(s)} if s % 10 == 0 or s == 153 else {})}
+                for s in range(154)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+    dip = {60: 0.85, 70: 0.8, 80: 0.75, 90: 0.72, 100: 0.85, 153: 0.91}
+    a = run("a", lambda s: dip.get(s, 0.1 + s / 100 if s < 60 else 0.88))
+    b = run("b", lambda s: 0.5)
+    table = RUNS.targets([a, b]).splitlines()
+    assert table[2] == f"| {a} | 153 | 5.9 min | 0.72 | 0.910 | yes yes yes |"
+    assert table[3] == f"| {b} | 153 | never | - | 0.500 | no - no |"
+    assert table[5] == "1 of 2 meet all three (by minutes, the clock x 1)"
+    # twice as slow: 0.80 first at 11.8 minutes; the clock stops it after step 77 (15.1 min), last read at step 70
+    assert RUNS.targets([a], slower=2).splitlines()[2] == f"| {a} | 77 | 11.8 min | 0.80 | 0.800 | no yes no |"
+    assert RUNS.targets([a], at_step=150).splitlines()[2] == f"| {a} | 150 | step 60 | 0.72 | 0.880 | yes yes no |"
+    assert RUNS.main(["--targets", a, "--slower", "2"]) == RUNS.targets([a], slower=2)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 5.0}) + "\n")
+    with pytest.raises(SystemExit, match="no evaluation inside the clock"):
+        RUNS.targets([str(tmp_path / "c")])
+
+
 def test_runs_tokens_spent_by_hand(tmp_path):
     """--x tokens: the response tokens generated up to each step (an evaluation record at a step counts the
     step's own training), so schemes that spend different budgets per step line up by what they spent."""

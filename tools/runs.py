@@ -8,6 +8,8 @@ Tables and curves of train.py runs (lab tooling: it reads run folders, never tra
     python tools/runs.py --plot runs/a-s0 runs/b-s0 --x tokens                 # against the tokens generated so far
     python tools/runs.py --summary runs/a-s0 runs/b-s0 --at_tokens 50000       # token-matched (budgets per step differ)
     python tools/runs.py --grad_spikes runs/a-s0 runs/b-s0                     # max / median grad norm per policy
+    python tools/runs.py --targets runs/a-s0 runs/a-s1 --slower 2.5            # the README's three targets per run,
+                                                                               # as on a machine 2.5x slower
 """
 import json
 import os
@@ -238,6 +240,46 @@ def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
     return "\n".join(lines)
 
 
+TARGETS = (0.80, 0.70, 0.90)  # the CPU default's promise (README): reach, never fall below after, end at
+TARGET_MINUTES = (10.0, 15.0)  # by minutes: reach 0.80 within the first, read the end at the second
+TARGET_STEPS = 0.8  # by step (--at_step N): reach 0.80 by 0.8 N (120 of 150), read the end at step N
+
+
+def targets(run_dirs, slower=1.0, at_step=None):
+    """Each run's three targets as the README reads them: held-out >= 0.80 within 10 minutes, never below 0.70
+    after, >= 0.90 at the end (the last evaluation within 15 minutes). slower: the run read as on a machine that
+    many times slower, its clock times that (a run's evaluations are its seed's on any machine, only the step its
+    clock reaches moves: docs/experiments.md, 2026-12-07), so an alone run stands for a slower machine's; its end
+    is read at the last evaluation inside the clock, up to --eval_every steps before a real slower run's last.
+    at_step N: by step instead, 0.80 by step 0.8 N and the end at step N."""
+    lines = ["| run | steps | first >= 0.80 | lowest after | at the end | targets 1 2 3 |", "|---|---|---|---|---|---|"]
+    met = 0
+    for d in run_dirs:
+        rec = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+        if at_step is not None:
+            rec = cut_at(d, rec, at_step, None)
+            reach, where = TARGET_STEPS * at_step, [r["step"] for r in rec]
+        else:
+            reach, where = TARGET_MINUTES[0], [r.get("time", 0.0) * slower / 60 for r in rec]
+            stop = next((i for i, t in enumerate(where) if t >= TARGET_MINUTES[1]), len(rec) - 1)
+            rec, where = rec[:stop + 1], where[:stop + 1]  # the clock stops the run after this step
+        ev = [(x, r["eval_success"]) for r, x in zip(rec, where) if "eval_success" in r]
+        if not ev:
+            raise SystemExit(f"{d!r} has no evaluation inside the clock: run it with --eval_every")
+        hit = next((i for i, (x, y) in enumerate(ev) if y >= TARGETS[0]), None)
+        first = hit is not None and ev[hit][0] <= reach
+        lowest = min(y for _, y in ev[hit:]) if hit is not None else float("nan")
+        kept = None if hit is None else lowest >= TARGETS[1]  # "-": never reached
+        end = ev[-1][1] >= TARGETS[2]
+        met += bool(first and kept and end)
+        unit = "step {:d}" if at_step is not None else "{:.1f} min"
+        when = "never" if hit is None else unit.format(ev[hit][0])
+        verdict = " ".join({None: "-", True: "yes", False: "no"}[ok] for ok in (first, kept, end))
+        lines.append(f"| {d} | {rec[-1]['step']} | {when} | {num(lowest)} | {ev[-1][1]:.3f} | {verdict} |")
+    how = f"by step {at_step}" if at_step is not None else f"by minutes, the clock x {slower:g}"
+    return "\n".join(lines + ["", f"{met} of {len(run_dirs)} meet all three ({how})"])
+
+
 def grad_spikes(run_dirs, at_step=None, at_tokens=None):
     """Per configuration and policy: the gradient norms' max / median over a run's steps (Dr. MAS's measure of
     spikes), each seed's, and the calls per step of each agent."""
@@ -266,15 +308,15 @@ def grad_spikes(run_dirs, at_step=None, at_tokens=None):
 
 
 def main(argv):
-    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps|tokens] | --grad_spikes RUN_DIR ...;
-    --at_step N or --at_tokens N for each."""
-    a, i = {"summary": [], "plot": [], "grad_spikes": [], "out": "curves.png", "x": "minutes", "at_step": None,
-            "at_tokens": None}, 0
+    """--summary RUN_DIR ... | --plot RUN_DIR ... [--out PNG] [--x minutes|steps|tokens] | --grad_spikes RUN_DIR ...
+    | --targets RUN_DIR ... [--slower F]; --at_step N or --at_tokens N for each (--targets: --at_step)."""
+    a, i = {"summary": [], "plot": [], "grad_spikes": [], "targets": [], "out": "curves.png", "x": "minutes",
+            "at_step": None, "at_tokens": None, "slower": "1"}, 0
     while i < len(argv):
         name = argv[i][2:] if argv[i].startswith("--") else None
         if name not in a:
             raise SystemExit(f"unknown argument {argv[i]!r}: " + main.__doc__)
-        if name in ("summary", "plot", "grad_spikes"):  # every following non-flag argument
+        if name in ("summary", "plot", "grad_spikes", "targets"):  # every following non-flag argument
             j = i + 1
             while j < len(argv) and not argv[j].startswith("--"):
                 j += 1
@@ -290,6 +332,8 @@ def main(argv):
         return summary(a["summary"], **at)
     if a["grad_spikes"]:
         return grad_spikes(a["grad_spikes"], **at)
+    if a["targets"]:
+        return targets(a["targets"], float(a["slower"]), at["at_step"])
     raise SystemExit(main.__doc__)
 
 
