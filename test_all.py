@@ -7027,6 +7027,8 @@ def test_targets_by_minutes_by_step_and_on_a_slower_machine_by_hand(tmp_path):
     assert RUNS.targets([a], slower=2).splitlines()[2] == f"| {a} | 77 | 11.8 min | 0.80 | 0.800 | no yes no |"
     assert RUNS.targets([a], at_step=150).splitlines()[2] == f"| {a} | 150 | step 60 | 0.72 | 0.880 | yes yes no |"
     assert RUNS.main(["--targets", a, "--slower", "2"]) == RUNS.targets([a], slower=2)
+    with pytest.raises(SystemExit, match="stops at 7.5 minutes on the clock x 0.5, before 15: read it by step"):
+        RUNS.targets([a], slower=0.5)  # a faster machine's 15 minutes: this run never reached them
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 5.0}) + "\n")
     with pytest.raises(SystemExit, match="no evaluation inside the clock"):

@@ -266,6 +266,9 @@ def targets(run_dirs, slower=1.0, at_step=None):
         ev = [(x, r["eval_success"]) for r, x in zip(rec, where) if "eval_success" in r]
         if not ev:
             raise SystemExit(f"{d!r} has no evaluation inside the clock: run it with --eval_every")
+        if at_step is None and where[-1] < TARGET_MINUTES[1]:  # its end would be read before the clock's
+            raise SystemExit(f"{d!r} stops at {where[-1]:.1f} minutes on the clock x {slower:g}, before "
+                             f"{TARGET_MINUTES[1]:g}: read it by step (--at_step N), or as slower (--slower)")
         hit = next((i for i, (x, y) in enumerate(ev) if y >= TARGETS[0]), None)
         first = hit is not None and ev[hit][0] <= reach
         lowest = min(y for _, y in ev[hit:]) if hit is not None else float("nan")
