@@ -7029,6 +7029,9 @@ def test_targets_by_minutes_by_step_and_on_a_slower_machine_by_hand(tmp_path):
     assert RUNS.main(["--targets", a, "--slower", "2"]) == RUNS.targets([a], slower=2)
     with pytest.raises(SystemExit, match="stops at 7.5 minutes on the clock x 0.5, before 15: read it by step"):
         RUNS.targets([a], slower=0.5)  # a faster machine's 15 minutes: this run never reached them
+    for bad in ("nan", "inf", "-1", "0", "x"):  # stopped in one line, before any run is read
+        with pytest.raises(SystemExit, match="give how many times slower, a number above 0"):
+            RUNS.main(["--targets", a, "--slower", bad])
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 5.0}) + "\n")
     with pytest.raises(SystemExit, match="no evaluation inside the clock"):

@@ -185,6 +185,13 @@ def upper_median(xs):
     return sorted(xs)[len(xs) // 2] if xs else float("nan")
 
 
+def reached(ev, threshold):
+    """(index of the first evaluation >= threshold, the lowest from there on) over [(x, held-out)];
+    (None, nan) where none reaches it."""
+    hit = next((i for i, (_, y) in enumerate(ev) if y >= threshold), None)
+    return hit, float("nan") if hit is None else min(y for _, y in ev[hit:])
+
+
 def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
     """Markdown table of train.py runs grouped by configuration (config.json without the seed and out_dir), one row
     per group: seeds, steps, median seconds per step, median samples (trained calls) per step (the cost that does not
@@ -217,12 +224,12 @@ def summary(run_dirs, threshold=0.8, at_step=None, at_tokens=None):
             finals.append(ev[-1][1] if ev else float("nan"))
             bases.append(next((r["eval_success"] for r in rec if r["step"] == 0 and "eval_success" in r), float("nan")))
             bests.append(max((y for _, y in ev), default=float("nan")))
-            hit = next((j for j, (_, y) in enumerate(ev) if y >= threshold), None)
+            hit, lowest = reached(ev, threshold)
             if hit is None:
                 firsts.append("never")
             else:
                 firsts.append(str(ev[hit][0]) if by_step else f"{ev[hit][0]:.1f}")
-            lows.append("-" if hit is None else f"{min(y for _, y in ev[hit:]):.2f}")
+            lows.append("-" if hit is None else f"{lowest:.2f}")
             steps.append(max((r["step"] for r in rec), default=0))
             sps.append(upper_median([r["t_step"] for r in rec if "t_step" in r]))
             smp.append(upper_median([r["samples"] for r in rec if "samples" in r]))
@@ -269,9 +276,8 @@ def targets(run_dirs, slower=1.0, at_step=None):
         if at_step is None and where[-1] < TARGET_MINUTES[1]:  # its end would be read before the clock's
             raise SystemExit(f"{d!r} stops at {where[-1]:.1f} minutes on the clock x {slower:g}, before "
                              f"{TARGET_MINUTES[1]:g}: read it by step (--at_step N), or as slower (--slower)")
-        hit = next((i for i, (x, y) in enumerate(ev) if y >= TARGETS[0]), None)
+        hit, lowest = reached(ev, TARGETS[0])
         first = hit is not None and ev[hit][0] <= reach
-        lowest = min(y for _, y in ev[hit:]) if hit is not None else float("nan")
         kept = None if hit is None else lowest >= TARGETS[1]  # "-": never reached
         end = ev[-1][1] >= TARGETS[2]
         met += bool(first and kept and end)
@@ -336,7 +342,13 @@ def main(argv):
     if a["grad_spikes"]:
         return grad_spikes(a["grad_spikes"], **at)
     if a["targets"]:
-        return targets(a["targets"], float(a["slower"]), at["at_step"])
+        try:
+            slower = float(a["slower"])
+        except ValueError:
+            slower = float("nan")
+        if not 0 < slower < float("inf"):  # nan fails too
+            raise SystemExit(f"--slower {a['slower']!r}: give how many times slower, a number above 0 (2.5)")
+        return targets(a["targets"], slower, at["at_step"])
     raise SystemExit(main.__doc__)
 
 
