@@ -1794,6 +1794,23 @@ def test_sft_probe_trains_on_solver_answers(tiny_dir, tmp_path):
         probe.main("plan", tiny_dir, str(tmp_path / "plan"), 2)
 
 
+def test_freeze_probe_counts_one_answer_groups(tiny_dir):
+    """docs/freeze_probe.py (what a frozen run's siblings say): greedy siblings are one answer by construction, so at
+    temperature 0 every group is without a signal and one answer; at temperature 5 the random tiny model's 8-token
+    siblings differ, so some group is not one answer; each group holds K candidates of one (env, role, turn)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "freeze", os.path.join(os.path.dirname(__file__), "docs", "freeze_probe.py"))
+    freeze = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(freeze)
+    groups, no_signal, one_answer, _, _ = freeze.probe(tiny_dir, "0", K=3, puzzles=6)
+    assert groups and len(groups) == len(no_signal) == len(one_answer)
+    assert all(len(g) == 3 and len({(s.env, s.role, s.turn) for s in g}) == 1 for g in groups)
+    groups, no_signal, one_answer, _, _ = freeze.probe(tiny_dir, "5", K=3, puzzles=6)
+    assert len(one_answer) < len(groups)
+    assert all(len({round(s.reward, 6) for s in g}) == 1 for g in no_signal)
+
+
 def test_sudoku_cells_counts_what_the_answer_writes(tiny_dir):
     """docs/sudoku_cells.py (per-cell reading of Sudoku policies) against the test's own brute-force
     solver and candidate count: the single-candidate answer (the solution in every 1-candidate cell, 0 elsewhere) is
