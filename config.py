@@ -487,11 +487,16 @@ BOUNDS = [
 ]
 
 
-def check(cfg, given):
-    """Every misuse that can be named before anything loads, each with the flag to change."""
-    for name, value in cfg.items():  # nan and inf pass no bound's test, nor mean anything here
+def check_finite(cfg):
+    """nan and inf pass no bound's test, nor mean anything as a flag: train.py's and eval.py's."""
+    for name, value in cfg.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise SystemExit(f"--{name} {value}: use a finite number")
+
+
+def check(cfg, given):
+    """Every misuse that can be named before anything loads, each with the flag to change."""
+    check_finite(cfg)
     for name, holds, instead in BOUNDS:
         for value in flag_values(cfg, name):
             if not holds(value):

@@ -61,6 +61,7 @@ def configure(argv):
     per_role = {k: cast for k, cast in config.CASTS_OF_FLAG.items() if k in cfg}
     given = config.parse_flags(argv, cfg, choices, help_text, per_role=per_role,
                                repeatable=("policy", "files"))
+    config.check_finite(cfg)
     if not cfg["task"]:
         raise SystemExit(f"--task is required ({', '.join(E.TASKS)}); tables and plots of training runs: "
                          "tools/runs.py")
@@ -98,6 +99,16 @@ def configure(argv):
     # a tiny model plays the compact games
     cfg["compact"] = tiny and E.TASKS[cfg["task"]]["answer_tokens"] > 0
     return cfg, paths
+
+
+def load_agents(cfg, paths):
+    """The agents over one engine per distinct model folder (roles that share a folder share it)."""
+    folders = sorted(set(paths.values()))
+    engines = [P.make_engine(cfg["engine"], folder, seed=0, max_len=cfg["max_model_len"])
+               for folder in folders]
+    role_to_policy = {r: folders.index(p) for r, p in paths.items()}
+    return Agents(load_tokenizer(folders[0]), engines, role_to_policy,
+                  max_prompt_tokens=cfg["max_prompt_tokens"])
 
 
 def role_models(cfg, roles):
@@ -152,12 +163,7 @@ def main(argv):
                            limit=cfg["limit"] or None, team=config.parse_team(cfg), turns=cfg["eval_turns"],
                            search=search)
 
-    folders = sorted(set(paths.values()))
-    engines = [P.make_engine(cfg["engine"], folder, seed=0, max_len=cfg["max_model_len"])
-               for folder in folders]
-    role_to_policy = {r: folders.index(p) for r, p in paths.items()}
-    agents = Agents(load_tokenizer(folders[0]), engines, role_to_policy,
-                    max_prompt_tokens=cfg["max_prompt_tokens"])
+    agents = load_agents(cfg, paths)
     res = evaluate(test_envs, agents, cfg["eval_turns"], cfg["role_eval_sampling"], k=cfg["eval_k"],
                    progress=True)
     sampling = "greedy" if cfg["eval_temperature"] == 0 else f"T={cfg['eval_temperature']}"

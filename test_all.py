@@ -7163,7 +7163,12 @@ def test_eval_bad_input_fails_before_loading(tmp_path, tiny_dir):
                       (["--task", "plan", "--model", tiny_dir, "--policy", "coder=" + tiny_dir], "no role 'coder'"),
                       (["--task", "plan"], "no model for role"),
                       (["--task", "math", "--model", tiny_dir, "--eval_k", "4", "--eval_temperature", "0"],
-                       "identical samples")]:
+                       "identical samples"),
+                      # nan passed the `< 0` check and failed inside torch's sampler
+                      (["--task", "plan", "--model", tiny_dir, "--eval_temperature", "nan"],
+                       "--eval_temperature nan: use a finite number"),
+                      (["--task", "plan", "--model", tiny_dir, "--eval_top_p", "inf"],
+                       "--eval_top_p inf: use a finite number")]:
         with pytest.raises(SystemExit, match=msg):
             V.main(argv)
 

@@ -17,9 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs as E  # noqa: E402
 import eval as EV  # noqa: E402
-import policies as P  # noqa: E402
-from model import load_tokenizer  # noqa: E402
-from rollout import Agents, tree_rollout  # noqa: E402
+from rollout import tree_rollout  # noqa: E402
 
 
 def probe(ckpt, temperature="0.5", K=4, puzzles=64):
@@ -28,10 +26,7 @@ def probe(ckpt, temperature="0.5", K=4, puzzles=64):
     # eval.py's flags resolve the tiny-plan preset; its eval sampling at the training temperature
     cfg, paths = EV.configure(["--task", "plan", "--model", ckpt, "--engine", "torch",
                                "--eval_temperature", str(temperature)])
-    folder = sorted(set(paths.values()))[0]
-    engine = P.make_engine("torch", folder, seed=0, max_len=cfg["max_model_len"])
-    agents = Agents(load_tokenizer(folder), [engine], {r: 0 for r in paths},
-                    max_prompt_tokens=cfg["max_prompt_tokens"])
+    agents = EV.load_agents(cfg, paths)
     rng = random.Random(5)
     turns = cfg["eval_turns"]
     envs = [E.train_env("plan", rng, compact=cfg["compact"], turns=turns) for _ in range(puzzles)]
@@ -51,6 +46,8 @@ def main():
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--puzzles", type=int, default=64)
     args = ap.parse_args()
+    if args.K < 1 or args.puzzles < 1:
+        ap.error(f"--K {args.K} --puzzles {args.puzzles}: use at least 1 of each")
     groups, no_signal, one_answer, solved, tok = probe(args.ckpt, args.temperature, args.K, args.puzzles)
     print(f"T={args.temperature}: {len(groups)} groups, {len(no_signal)} without a signal, "
           f"{len(one_answer)} of them one answer; solved {solved} of {args.puzzles}")
