@@ -475,6 +475,7 @@ BOUNDS = [
     ("search_topk", lambda v: v >= 1, "at least 1 passage per search"),
     ("dynamic_sampling", lambda v: v == 0 or v >= 2, "0 (off) or at least 2 rollouts per step "
                                                       "(DAPO's max_num_gen_batches)"),
+    ("refill_temp_scale", lambda v: v > 0, "above 0 (1: a refill samples as the first rollout)"),
     ("alternate_every", lambda v: v >= 0, "0 (every trained role every step) or a number of steps"),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a share of the GPU in (0, 1]"),
     ("tool_timeout", lambda v: 0 < v <= 3600, "above 0 seconds, at most an hour"),
@@ -624,6 +625,9 @@ def check_method(cfg, given):
     if cfg["refill"] != "batch" and not cfg["dynamic_sampling"]:
         raise SystemExit(f"--refill {cfg['refill']} sizes the refills of --dynamic_sampling, which is off "
                          "here: add --dynamic_sampling 3, or drop --refill")
+    if cfg["refill_temp_scale"] != 1 and not cfg["dynamic_sampling"]:
+        raise SystemExit(f"--refill_temp_scale {cfg['refill_temp_scale']} heats the refills of "
+                         "--dynamic_sampling, which is off here: add --dynamic_sampling 3, or drop it")
     if cfg["reward"] == "outcome" and not algo.outcome:
         raise SystemExit("--reward outcome gives every call its trajectory's final outcome, and a tree's "
                          f"losing branches have none: use it with --algo {_algos(lambda a: a.outcome)} "

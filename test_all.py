@@ -5226,6 +5226,8 @@ def test_bad_flags_fail_fast(tmp_path):
         (["--dynamic_sampling", "1"], "--dynamic_sampling 1: use 0 .off. or at least 2"),
         (["--dynamic_sampling", "3", "--algo", "gigpo"], "filters one kind of group, and gigpo has two"),
         (["--refill", "missing", "--task", "sudoku"], "--refill missing sizes the refills of --dynamic_sampling"),
+        (["--refill_temp_scale", "0"], "--refill_temp_scale 0.0: use above 0"),
+        (["--refill_temp_scale", "2", "--task", "sudoku"], "heats the refills of --dynamic_sampling, which is off"),
         (["--resume", "true", "--out_dir", str(tmp_path)], "no checkpoint"),
         (["--stop_step", "2000"], r"--stop_step 2000 must lie in \[0, --steps 1000\]"),
         (["--warmup_moves", "8"], r"--warmup_moves 8 must lie in \[1, --max_new_tokens - 1 = 7\]"),
@@ -5386,6 +5388,46 @@ def test_dynamic_sampling_refills_a_step(tmp_path, capsys, monkeypatch, warm_cac
     monkeypatch.setattr(G, "dapo_fill", spy)
     T.main(args + ["--dynamic_sampling", "3", "--refill", "missing", "--out_dir", str(tmp_path / "missing")])
     assert refills and all(1 <= n <= 4 for n in refills) and min(refills) < 4, refills
+
+
+def test_refills_sample_hotter_and_keep_their_temperature(tiny_dir, monkeypatch):
+    """--refill_temp_scale 2: a step's first rollout samples at each role's temperature, every refill at twice it;
+    each sample carries the temperature its engine call was given (the trainer scores it there). The engine's
+    arguments are the reference, spied on; without the flag a refill samples as the first rollout."""
+    import train as T
+    from scripted import ScriptedEngine
+    flags = ["--model", tiny_dir, "--engine", "scripted", "--temperature", "tool=0.5,plan=0.7",
+             "--dynamic_sampling", "3", "--envs_per_step", "4", "--K", "3", "--warmup_steps", "0"]
+    calls, phase = [], [0]
+    real_generate, real_more = ScriptedEngine.generate, T.Rollouts.more
+
+    def generate(self, prompts, n=1, temperature=1.0, **kw):
+        calls.append((phase[0], temperature))
+        return real_generate(self, prompts, n=n, temperature=temperature, **kw)
+
+    def more(self, n_envs):
+        new = real_more(self, n_envs)
+        phase[0] += 1
+        return new
+    monkeypatch.setattr(ScriptedEngine, "generate", generate)
+    monkeypatch.setattr(T.Rollouts, "more", more)
+    for scale in (2.0, 1.0):
+        cfg = T.configure(flags + ["--refill_temp_scale", str(scale)])
+        tasks, _ = T.load_tasks(cfg)
+        agents = _scripted_agents(tiny_dir, None)
+        for step in range(1, 20):  # the first step whose first rollout has a group without a signal
+            calls.clear()
+            phase[0] = 0
+            got = T.collect(cfg, step, 0, agents, tasks, 4)
+            if got.rollouts > 1:
+                break
+        assert got.rollouts > 1, "no refill: the test no longer exercises one"
+        base = {0.5, 0.7}
+        assert {t for p, t in calls if p == 0} == base
+        assert {t for p, t in calls if p > 0} == {t * scale for t in base}
+        first = {s.temperature for s in got.generated if s.env < 4}
+        refilled = {s.temperature for s in got.generated if s.env >= 4}
+        assert first == base and refilled == {t * scale for t in base}
 
 
 def test_a_busy_machine_is_noted_at_the_start_and_kept_in_each_step(tmp_path, monkeypatch, capsys):

@@ -106,6 +106,8 @@ dynamic_sampling = 0       # N > 1: DAPO's refill: up to N rollouts a step until
                            # number the first rollout's groups; zero-variance groups dropped (0 = off)
 refill = "batch"           # --dynamic_sampling: a refill's envs, batch (the first rollout's number, DAPO's)
                            # | missing (the envs the missing groups need at the step's rate so far)
+refill_temp_scale = 1.0    # --dynamic_sampling: a refill samples at this x each role's temperature
+                           # (1: the first rollout's; a frozen run's siblings agree: docs/results.md)
 # algorithm
 algo = "at_grpo"           # at_grpo | grpo | dr_mas | gigpo: the groups and their values (grpo_mas.py)
 scale_rewards = "group"    # group: (r - mean) / group std; none: r - mean; batch: / the step's std
@@ -478,6 +480,10 @@ class Rollouts:
 
     def __init__(self, cfg, agents, tasks, rng):
         self.cfg, self.agents, self.tasks, self.rng = cfg, agents, tasks, rng
+        # the first rollout samples at each role's temperature, a refill at --refill_temp_scale x it
+        self.first_sampling = cfg["role_sampling"]
+        self.refill_sampling = {r: replace(s, temperature=s.temperature * cfg["refill_temp_scale"])
+                                for r, s in self.first_sampling.items()}
         self.generated, self.timer = [], {}
         self.envs_so_far, self.solved, self.episodes = 0, 0, 0
 
@@ -486,7 +492,7 @@ class Rollouts:
         if n_envs == 0:  # --refill missing: this rank has its groups
             return []
         envs = self.tasks.fresh(self.rng, n_envs)
-        sampling = cfg["role_sampling"]
+        sampling = self.refill_sampling if self.envs_so_far else self.first_sampling
         algo = G.ALGOS[cfg["algo"]]
         if algo.rollout == "tree":
             samples = tree_rollout(envs, self.agents, cfg["K"], cfg["turns"], sampling, cfg["alpha"],
