@@ -7095,6 +7095,9 @@ def test_targets_by_minutes_by_step_and_on_a_slower_machine_by_hand(tmp_path):
     (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 5.0}) + "\n")
     with pytest.raises(SystemExit, match="no evaluation inside the clock"):
         RUNS.targets([str(tmp_path / "c")])
+    (tmp_path / "c.log").write_text("step 1\n")  # `--targets runs/s*` also matches the runs' logs
+    with pytest.raises(SystemExit, match="c.log' is not a train.py run directory"):
+        RUNS.targets([str(tmp_path / "c.log")])
 
 
 def test_runs_tokens_spent_by_hand(tmp_path):

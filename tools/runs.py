@@ -81,6 +81,14 @@ def plot(run_dirs, out_png, x="minutes", at_step=None, at_tokens=None):
     return out_png
 
 
+def read_metrics(d):
+    """A run directory's records; a path that is not one (a log file given by a glob) stops in one line."""
+    path = os.path.join(d, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{d!r} is not a train.py run directory (no metrics.jsonl in it)")
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
 def tokens_spent(rec):
     """{step: response tokens generated up to and including that step} from a run's metrics records."""
     spent, total = {}, 0
@@ -129,7 +137,7 @@ def group_runs(run_dirs, need_config=True, at_step=None, at_tokens=None):
             skip = ("seed", "out_dir", "resume", "resolved_policies", "role_defaults") + (RUN_LENGTH if matched else ())
             # a flag missing from an older run's config.json was added after it, with the old behaviour as its default
             cfg = {k: v for k, v in {**defaults, **json.load(open(cpath))}.items() if k not in skip}
-        rec = [json.loads(l) for l in open(mpath) if l.strip()]
+        rec = read_metrics(d)
         if matched:
             rec = cut_at(d, rec, at_step, at_tokens)
         runs.append((d, cfg, rec))
@@ -262,7 +270,7 @@ def targets(run_dirs, slower=1.0, at_step=None):
     lines = ["| run | steps | first >= 0.80 | lowest after | at the end | targets 1 2 3 |", "|---|---|---|---|---|---|"]
     met = 0
     for d in run_dirs:
-        rec = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+        rec = read_metrics(d)
         if at_step is not None:
             rec = cut_at(d, rec, at_step, None)
             reach, where = TARGET_STEPS * at_step, [r["step"] for r in rec]
