@@ -46,6 +46,9 @@ def configure(argv, flags, presets, choices, source):
     for k, v in G.ALGOS[cfg["algo"]].fixed.items():
         if k not in given:
             cfg[k] = v
+    # the preset's hotter refills go with its refill: off by flag or --algo, none left to heat
+    if not cfg["dynamic_sampling"] and "refill_temp_scale" not in given:
+        cfg["refill_temp_scale"] = 1.0
     # adapters learn at lora_lr_mult x the preset's lr, unless --lr says
     if cfg["policies"] == "lora":
         cfg["role_defaults"]["lr"] *= cfg["lora_lr_mult"]

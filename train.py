@@ -186,11 +186,11 @@ TINY = dict(
     warmup_steps=150, warmup_moves=4, grad_checkpoint="off", tis_cap=0.0,
     gpu_memory_utilization=0.3, eval_turns=4, eval_max_new_tokens=8,
 )
-# Plan-Path: DAPO's refill keeps freezes off; 0.5 samples near the scored greedy answer; a sibling
-# group trains as one row (its prompt once); the cosine over 150 steps, then its floor until the
-# 15-minute clock (docs/results.md)
-TINY_PLAN = {**TINY, "dynamic_sampling": 3, "temperature": 0.5, "pack": True,
-             "steps": 1000, "lr_steps": 150}
+# Plan-Path: 0.3 samples near the scored greedy answer; DAPO's refill, sampled at 3x (0.9), keeps
+# freezes off; a sibling group trains as one row (its prompt once); the cosine over 150 steps,
+# then its floor until the 15-minute clock (docs/results.md)
+TINY_PLAN = {**TINY, "dynamic_sampling": 3, "temperature": 0.3, "refill_temp_scale": 3.0,
+             "pack": True, "steps": 1000, "lr_steps": 150}
 PRESETS = {
     "paper": {},
     "paper-math": dict(max_new_tokens=8192, max_model_len=16384,
@@ -203,7 +203,8 @@ PRESETS = {
     # Sokoban: Plan-Path's recipe, each move paid its cut in the moves left to a solve (a flag, off
     # for real models: the spec's reward pays a walk to the box nothing; docs/results.md), and 5
     # answer tokens (the warm-up's 4 moves and the end; a cut answer parses: at most 5 moves)
-    "tiny-sokoban": {**TINY_PLAN, "warmup_steps": 600, "sokoban_solve_shaping": 0.5,
+    "tiny-sokoban": {**TINY_PLAN, "temperature": 0.5, "refill_temp_scale": 1.0,
+                     "warmup_steps": 600, "sokoban_solve_shaping": 0.5,
                      "max_new_tokens": 5, "eval_max_new_tokens": 5},
     # Sudoku: a guess in a two-candidate cell charged -0.3, not paid the spec's +0.1 (a flag, off for
     # real models: 8 of 9 fresh seeds at 0.8 against 4 of 9; docs/results.md)
